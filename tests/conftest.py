@@ -1,0 +1,126 @@
+"""Fixtures: tiny random-weight Qwen3 checkpoints in the real Hugging Face layout.
+
+Each checkpoint is a folder with config.json (the real Qwen3 keys), generation_config.json,
+tokenizer.json (a byte-level BPE trained here with the `tokenizers` library, special tokens
+appended after the learned vocabulary as in Qwen's) and model.safetensors (or shards).
+Like Qwen3-0.6B, heads x head_dim != hidden_size and the embedding has more rows than the
+tokenizer has tokens.
+"""
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CORPUS = [
+    "The capital of France is Paris. The capital of Japan is Tokyo.",
+    "Once upon a time there was a small model that learned to write text, one token at a time.",
+    "日本の首都は東京です。中国的首都是北京。 한국의 수도는 서울입니다.",
+    "Emoji: 😀 👍🏽 ❤️ 🇫🇷 and numbers 0123456789, tabs\tand\nnew lines.",
+    "def f(x):\n    return x * 2  # code, too",
+] * 20
+
+# Tiny Qwen3: 4 query heads x head_dim 32 = 128 != hidden 64; 2 KV heads (GQA groups of 2).
+TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, vocab_size=640, max_position_embeddings=2048)
+
+
+def build_tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.add_special_tokens(SPECIALS)  # ids after the learned ones, like Qwen's 151643..
+    return tok
+
+
+def write_checkpoint(folder, tokenizer, dtype="float32", lm_head="untied", rope="flat", shards=1,
+                     seed=0, eos_extra=None, **overrides):
+    """Write a random-weight Qwen3 checkpoint into folder and return it.
+    lm_head: "untied" (own lm_head.weight), "tied" (tie_word_embeddings, no lm_head.weight),
+    "tied_stored" (tie_word_embeddings with a copy stored, as the released Qwen3-0.6B file)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    c = dict(TINY, **overrides)
+    d, f, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    rng = np.random.default_rng(seed)
+
+    def mat(rows, cols, gain=1.0):  # std gain/sqrt(fan_in): activations stay O(1)
+        return rng.normal(0, gain / np.sqrt(cols), (rows, cols))
+
+    def gain(n):  # norm weights near 1, not all equal, so a wrong norm shows
+        return 1.0 + 0.2 * rng.normal(size=n)
+
+    w = {"model.embed_tokens.weight": rng.normal(0, 1.0, (v, d)), "model.norm.weight": gain(d)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w.update({
+            p + "input_layernorm.weight": gain(d), p + "post_attention_layernorm.weight": gain(d),
+            p + "self_attn.q_proj.weight": mat(q, d, 2.0), p + "self_attn.k_proj.weight": mat(kv, d, 2.0),
+            p + "self_attn.v_proj.weight": mat(kv, d), p + "self_attn.o_proj.weight": mat(d, q),
+            p + "self_attn.q_norm.weight": gain(hd), p + "self_attn.k_norm.weight": gain(hd),
+            p + "mlp.gate_proj.weight": mat(f, d), p + "mlp.up_proj.weight": mat(f, d),
+            p + "mlp.down_proj.weight": mat(d, f)})
+    if lm_head == "untied":
+        w["lm_head.weight"] = mat(v, d, 4.0)
+        w["lm_head.weight"][tokenizer.get_vocab_size():] *= 0.3  # padding rows: rarely chosen
+    elif lm_head == "tied_stored":
+        w["lm_head.weight"] = w["model.embed_tokens.weight"]
+    arrays = {k: mx.array(a.astype(np.float32)).astype(getattr(mx, dtype)) for k, a in w.items()}
+    names = sorted(arrays)
+    if shards == 1:
+        mx.save_safetensors(str(folder / "model.safetensors"), arrays, metadata={"format": "pt"})
+    else:
+        index = {}
+        for s in range(shards):
+            fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {k: arrays[k] for k in names[s::shards]}
+            index.update({k: fname for k in part})
+            mx.save_safetensors(str(folder / fname), part, metadata={"format": "pt"})
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    ids = {t: tokenizer.token_to_id(t) for t in SPECIALS}
+    rope_cfg = {"rope_theta": 1000000.0, "rope_scaling": None} if rope == "flat" else \
+        {"rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+              "attention_dropout": 0.0, "bos_token_id": ids["<|endoftext|>"],
+              "eos_token_id": ids["<|im_end|>"], "hidden_act": "silu", "initializer_range": 0.02,
+              "max_window_layers": c["num_hidden_layers"], "rms_norm_eps": 1e-6,
+              "sliding_window": None, "use_sliding_window": False, "use_cache": True,
+              "tie_word_embeddings": lm_head != "untied", "torch_dtype": dtype,
+              **rope_cfg, **c}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    gen_eos = [ids["<|im_end|>"], ids["<|endoftext|>"]] + list(eos_extra or [])
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": gen_eos, "do_sample": True,
+         "temperature": 0.6, "top_k": 20, "top_p": 0.95}, indent=2))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory, tokenizer):
+    """A factory: checkpoint(**options) writes (once per option set) and returns a folder."""
+    made = {}
+
+    def make(**options):
+        key = json.dumps(options, sort_keys=True)
+        if key not in made:
+            made[key] = write_checkpoint(tmp_path_factory.mktemp("qwen3"), tokenizer, **options)
+        return made[key]
+
+    return make

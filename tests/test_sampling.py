@@ -1,0 +1,107 @@
+"""sample(), streaming text and the command line."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import llm_inference as li
+
+ROOT = Path(__file__).resolve().parent.parent
+LOGITS = mx.log(mx.array([0.05, 0.5, 0.02, 0.3, 0.1, 0.03]))  # probabilities, shuffled
+
+
+def draws(n, **kw):
+    return np.array([li.sample(LOGITS, **kw).item() for _ in range(n)])
+
+
+def test_temperature_zero_is_argmax():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        logits = mx.array(rng.normal(size=1000).astype(np.float32))
+        assert li.sample(logits, temperature=0.0).item() == int(np.argmax(np.array(logits)))
+
+
+def test_small_top_p_keeps_only_the_nucleus():
+    mx.random.seed(0)
+    # sorted: 0.5 (id 1), 0.3 (id 3), 0.1 (id 4) ... top_p 0.7: mass before id 3 is 0.5 < 0.7,
+    # before id 4 it is 0.8 >= 0.7, so the nucleus is {1, 3}.
+    assert set(draws(400, temperature=1.0, top_p=0.7)) == {1, 3}
+    assert set(draws(200, temperature=1.0, top_p=0.4)) == {1}  # the top token alone
+    assert set(draws(400, temperature=1.0, top_p=1.0)) == {0, 1, 2, 3, 4, 5}
+
+
+def test_frequencies_match_renormalised_nucleus():
+    mx.random.seed(1234)
+    n = 4000
+    counts = np.bincount(draws(n, temperature=1.0, top_p=0.85), minlength=6)
+    nucleus = np.array([0, 0.5, 0, 0.3, 0.1, 0]) / 0.9  # {1, 3, 4}: mass before id 4 is 0.8 < 0.85
+    std = np.sqrt(n * nucleus * (1 - nucleus))
+    assert np.all(np.abs(counts - n * nucleus) <= 4 * std + 1e-9), counts
+
+
+def test_temperature_sharpens_and_flattens():
+    mx.random.seed(7)
+    n = 3000
+    for t in (0.5, 2.0):
+        p = np.array([0.05, 0.5, 0.02, 0.3, 0.1, 0.03]) ** (1 / t)
+        p /= p.sum()
+        counts = np.bincount(draws(n, temperature=t), minlength=6)
+        assert np.all(np.abs(counts - n * p) <= 4 * np.sqrt(n * p * (1 - p)) + 1), (t, counts)
+
+
+def test_same_seed_same_text(checkpoint, tokenizer):
+    li.load(checkpoint())
+    ids = tokenizer.encode("Once upon a time").ids
+    runs = []
+    for seed in (3, 3, 4):
+        mx.random.seed(seed)
+        runs.append(list(li.generate(ids, max_tokens=16, temperature=1.0, top_p=0.9)))
+    assert runs[0] == runs[1] != runs[2]
+
+
+@pytest.mark.parametrize("text", ["The capital of France is Paris.", "日本の首都は東京です。中国的首都是北京。",
+                                  "Emoji ❤️ 👍🏽 🇫🇷 😀 done", "mixed: naïve café ☕️ 한국어"])
+def test_streamed_pieces_equal_decode(checkpoint, tokenizer, text):
+    li.load(checkpoint())
+    ids = tokenizer.encode(text).ids
+    pieces = list(li.stream_text(ids))
+    assert len(pieces) == len(ids)
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)  # never a broken character on screen
+    if "❤️" in text:  # the test is meaningful: some token alone is half a character
+        assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
+
+
+def run_cli(*args):
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    return subprocess.run([sys.executable, str(ROOT / "llm_inference.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_cli_end_to_end(checkpoint, tokenizer):
+    folder = checkpoint()
+    li.load(folder)
+    prompt = "The capital of France is"
+    generated = list(li.generate(tokenizer.encode(prompt).ids, max_tokens=12))
+    # Random weights emit stray bytes: the screen shows what stream_text makes of them (tested
+    # against tokenizer.decode above for real text).
+    expected = "".join(li.stream_text(generated))
+    assert len(expected) >= 3
+    r = run_cli("--model", str(folder), "--prompt", prompt, "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert "3 layers, hidden 64, 4 query / 2 KV heads x 32" in r.stdout
+    assert prompt + expected + "\n==========" in r.stdout
+    assert f"Prompt: {len(tokenizer.encode(prompt).ids)} tokens, " in r.stdout
+    assert "Generation: 12 tokens, " in r.stdout and "tokens-per-sec" in r.stdout
+    assert "Peak memory: " in r.stdout and " GB" in r.stdout
+
+
+def test_cli_sampling_flags_and_seed(checkpoint):
+    folder = str(checkpoint())
+    args = ("--model", folder, "--prompt", "Once", "-m", "10", "--temp", "0.9", "--top-p", "0.95")
+    a, b = run_cli(*args, "--seed", "5"), run_cli(*args, "--seed", "5")
+    assert a.returncode == 0 and a.stdout.split("==========")[1] == b.stdout.split("==========")[1]
