@@ -1,20 +1,13 @@
 """Qwen3 inference from scratch: MLX arrays and the `tokenizers` library, nothing else.
 
-Read it top to bottom; it follows the data. Text -> token ids -> embeddings -> N transformer
+Read it top to bottom; it follows the data: text -> token ids -> embeddings -> N transformer
 blocks (RMSNorm, attention with RoPE and a KV cache, SwiGLU feed-forward) -> logits -> next token.
-
-    python llm_inference.py                                   # "The capital of France is", greedy
-    python llm_inference.py --prompt "Why is the sky blue?" --temperature 0.7 --top-p 0.8
-
-MLX is lazy: each mx.* call below only records a graph. Work happens when a value is needed
-(mx.eval, .item(), print). mx.load() maps the weight files; bytes are read when first used.
-Arrays here have no batch dimension: one sequence of L tokens, shapes as in the comments
-(Qwen3-0.6B's sizes: hidden 1024, 16 query heads, 8 KV heads, head_dim 128, vocab 151936).
+One sequence, no batch dimension; shape comments use Qwen3-0.6B's sizes (hidden 1024, 16 query
+heads, 8 KV heads, head_dim 128, vocab 151936; S = tokens so far, L = tokens in this call).
+MLX is lazy: each mx.* call only records a graph; work happens when a value is needed
+(mx.eval, .item(), print). `python llm_inference.py --help` lists the flags.
 """
-import argparse
-import json
-import math
-import time
+import argparse, json, math, os, re, signal, sys, threading, time  # noqa: E401 (standard library)
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,53 +27,67 @@ THETA = 0.0      # 1e6    rope_theta: base of RoPE's rotation frequencies
 MAX_POS = 0      # 40960  max_position_embeddings: the longest context
 EOS_IDS = set()  # {151645 <|im_end|>, 151643 <|endoftext|>}: generation stops on any of them
 
+def read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
 
-def _ids(x):
-    """An eos_token_id entry (int, list or missing) -> set of ints."""
-    return set(x) if isinstance(x, list) else ({x} if isinstance(x, int) else set())
-
+def missing_files(model_dir):
+    """The files load() needs that model_dir lacks: config.json, tokenizer.json and the weights
+    (every shard that model.safetensors.index.json names, else at least one *.safetensors)."""
+    index = model_dir / "model.safetensors.index.json"
+    weights = sorted(set(read_json(index)["weight_map"].values())) if index.is_file() else \
+        [] if any(model_dir.glob("*.safetensors")) else ["model.safetensors"]
+    return [f for f in ["config.json", "tokenizer.json", *weights] if not (model_dir / f).is_file()]
 
 def expected_shapes(cfg):
     """Every tensor name the model uses -> the shape config.json predicts for it."""
-    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    hd = cfg.get("head_dim") or d // cfg["num_attention_heads"]
+    d, f, v, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f)})
-    return shapes
+    layer = {"input_layernorm": (d,), "post_attention_layernorm": (d,), "self_attn.q_proj": (q, d),
+             "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
+             "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,), "mlp.gate_proj": (f, d),
+             "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
+    return {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d),
+            **{f"model.layers.{i}.{name}.weight": shape for i in range(cfg["num_hidden_layers"])
+               for name, shape in layer.items()}}
 
-
-def load(model_dir):
-    """Read config.json (+ generation_config.json), every *.safetensors file into W, tokenizer.json."""
+def load(model_dir, dtype=None):
+    """Read config.json (+ generation_config.json), every *.safetensors file into W, tokenizer.json.
+    dtype: compute in this dtype (e.g. mx.float32) instead of the checkpoint's own."""
     global W, TOK, D, N_LAYERS, N_HEADS, N_KV, HEAD_DIM, EPS, THETA, MAX_POS, EOS_IDS
     model_dir = Path(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
+    if missing := missing_files(model_dir):
+        raise FileNotFoundError(f"{model_dir} lacks {', '.join(missing)}")
+    cfg = read_json(model_dir / "config.json")
+    if cfg.get("model_type") != "qwen3":
+        raise ValueError(f"{model_dir / 'config.json'} describes model_type {cfg.get('model_type')!r};"
+                         " this script runs dense Qwen3 models ('qwen3') only")
     gen_file = model_dir / "generation_config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    gen = read_json(gen_file) if gen_file.is_file() else {}
     D, N_LAYERS = cfg["hidden_size"], cfg["num_hidden_layers"]
     N_HEADS, N_KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    HEAD_DIM = cfg.get("head_dim") or D // N_HEADS
+    HEAD_DIM = cfg.setdefault("head_dim", D // N_HEADS)  # Qwen3 configs give it: 128, not 64
     EPS, MAX_POS = cfg["rms_norm_eps"], cfg["max_position_embeddings"]
     THETA = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]  # transformers 5 nests it
-    EOS_IDS = _ids(cfg.get("eos_token_id")) | _ids(gen.get("eos_token_id"))
+    eos = [cfg.get("eos_token_id"), gen.get("eos_token_id")]          # each an int, a list or None
+    EOS_IDS = {i for e in eos for i in (e if isinstance(e, list) else [e]) if i is not None}
     W = {}
     for f in sorted(model_dir.glob("*.safetensors")):  # one file, or model-0000i-of-0000N shards
-        W.update(mx.load(str(f)))
+        try:
+            W.update({k: w.astype(dtype or w.dtype) for k, w in mx.load(str(f)).items()})  # lazy
+        except RuntimeError as e:  # mx.load checks the header at once; tensors are read on use
+            raise ValueError(f"{f} is not a complete safetensors file ({e})") from None
     if cfg.get("tie_word_embeddings") or "lm_head.weight" not in W:
         W["lm_head.weight"] = W.get("model.embed_tokens.weight")  # tied: one matrix reads and writes
-    for name, shape in expected_shapes(cfg).items():
-        if W.get(name) is None:
-            raise ValueError(f"tensor {name} is missing from the *.safetensors files in {model_dir}")
-        if tuple(W[name].shape) != shape:
-            raise ValueError(f"tensor {name} has shape {tuple(W[name].shape)}, expected {shape}")
+    shapes = expected_shapes(cfg)
+    for name, shape in shapes.items():
+        if W.get(name) is None or tuple(W[name].shape) != shape:
+            found = "is missing" if W.get(name) is None else f"has shape {tuple(W[name].shape)}"
+            raise ValueError(f"tensor {name} {found} in {model_dir}; expected shape {shape}")
+    W = {name: W[name] for name in shapes}  # drops what the model never uses (a tied head's copy)
+    mx.eval(W)  # read every weight now, so that generation times only generation
     TOK = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     return cfg
 
@@ -162,13 +169,16 @@ def transformer_block(x, layer_idx, cache, positions):
 
 
 # ═══ 6. Forward — ids in, one score per vocabulary entry out, for every position ═══
-def forward(token_ids, cache, start_pos):
-    """token_ids: L ints at positions start_pos.. -> logits (L, vocab).
-    cache: list with one entry per layer ([None] * N_LAYERS to start); extended in place."""
+def forward(token_ids, cache, start_pos, last_only=False):
+    """token_ids: L ids (ints or an int array) at positions start_pos.. -> logits (L, vocab),
+    or (1, vocab) for the last position only. cache: one entry per layer ([None] * N_LAYERS
+    to start), extended in place."""
     positions = mx.arange(start_pos, start_pos + len(token_ids))       # (L,)
     x = W["model.embed_tokens.weight"][mx.array(token_ids)]            # (L, 1024)
     for i in range(N_LAYERS):
         x = transformer_block(x, i, cache, positions)                  # (L, 1024)
+    if last_only:  # generation reads only the last row: skip L-1 rows of the 151936-wide head
+        x = x[-1:]                                                     # (1, 1024)
     x = rms_norm(x, W["model.norm.weight"])                            # (L, 1024)
     return x @ W["lm_head.weight"].T                                   # (L, 151936)
 
@@ -192,60 +202,191 @@ def sample(logits, temperature=0.0, top_p=1.0):
 
 
 # ═══ 8. Generate — read the prompt once, then write one token at a time ═══
-def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0):
-    """Yield up to max_tokens token ids (ints) that continue prompt_ids; stops before any EOS id."""
-    cache = [None] * N_LAYERS                                          # one (keys, values) per layer
-    pos = len(prompt_ids)
-    logits = forward(prompt_ids, cache, 0)[-1]                         # (vocab,) prefill
-    for _ in range(max_tokens):
-        token = sample(logits, temperature, top_p).item()              # .item() runs the graph
-        if token in EOS_IDS:
-            return
-        yield token
-        logits = forward([token], cache, pos)[-1]                      # (vocab,) one decode step
-        pos += 1
+def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None):
+    """Yield up to max_tokens ids (ints) continuing prompt_ids; stop before any EOS id and at the
+    context limit. cache: the list from an earlier call, to continue after the tokens it holds."""
+    cache = cache if cache is not None else [None] * N_LAYERS          # one (keys, values) per layer
+    start = 0 if cache[0] is None else cache[0][0].shape[1]            # tokens already cached
 
+    def step(ids, pos):                                                # ids at pos.. -> next token
+        return sample(forward(ids, cache, pos, last_only=True)[0], temperature, top_p)  # () lazy
+
+    token = step(prompt_ids, start)                                    # prefill: the whole prompt
+    end = min(start + len(prompt_ids) + max_tokens, MAX_POS)           # never past the context
+    for pos in range(start + len(prompt_ids), end):
+        upcoming = None
+        if pos + 1 < end:  # queue the next step before waiting for this token: the device
+            upcoming = step(token[None], pos)                          # computes it while Python
+            mx.async_eval(upcoming)                                    # checks and prints this one
+        if (token_id := token.item()) in EOS_IDS:                      # .item() waits for the value
+            return
+        yield token_id
+        token = upcoming
 
 def stream_text(token_ids):
-    """Yield the text each new token adds. A character split over several byte-level tokens
-    (emoji, CJK) comes out whole, once its last byte arrives: no broken UTF-8 is ever printed
-    (so a character left unfinished when generation stops is not printed at all)."""
+    """Yield (token id, the text it adds). A character split over several byte-level tokens
+    (emoji, CJK) comes out whole once its last byte arrives: no broken UTF-8 is ever printed
+    (nor a character left unfinished when generation stops)."""
     stream = DecodeStream(skip_special_tokens=False)
     for token in token_ids:
-        yield stream.step(TOK, token) or ""
+        yield token, stream.step(TOK, token) or ""
 
 
-# ═══ 9. Command line — flags named as in mlx_lm.generate ═══
-def main(argv=None):
-    here = Path(__file__).resolve().parent
+# ═══ 9. Chat — Qwen3's chat template, written out; the KV cache kept from turn to turn ═══
+def chat_prompt(turns, system=None, think=True):
+    """turns: [user, assistant, user, ...] texts, the user's last -> Qwen3's chat prompt.
+    Earlier answers lose their <think>...</think> part, as Qwen3's own template drops it."""
+    text = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    for i, turn in enumerate(turns):
+        if i % 2 and "</think>" in turn:  # an earlier answer: keep what follows its thinking
+            turn = turn.split("</think>")[-1].lstrip("\n")
+        text += f"<|im_start|>{('user', 'assistant')[i % 2]}\n{turn}<|im_end|>\n"
+    return text + "<|im_start|>assistant\n" + ("" if think else "<think>\n\n</think>\n\n")
+
+def reuse_cache(cache, cached_ids, prompt_ids):
+    """Cut the cache back to the longest common prefix of the ids it holds and the new prompt,
+    leaving at least one prompt token to compute (its logits give the reply's first token).
+    Returns how many tokens were kept."""
+    n = 0
+    while n < min(len(cached_ids), len(prompt_ids) - 1) and cached_ids[n] == prompt_ids[n]:
+        n += 1
+    cache[:] = [None if c is None else (c[0][:, :n], c[1][:, :n]) for c in cache]
+    return n
+
+def top_next_tokens(prompt_ids, k):
+    """The k likeliest next tokens after prompt_ids: [(id, probability)], softmax at temperature 1."""
+    probs = mx.softmax(forward(prompt_ids, [None] * N_LAYERS, 0, True)[0].astype(mx.float32))  # (vocab,)
+    top = mx.argsort(-probs)[:k]                                       # (k,) likeliest first
+    return list(zip(top.tolist(), probs[top].tolist()))
+
+
+# ═══ 10. Command line — flags named as in mlx_lm.generate ═══
+HERE = Path(__file__).resolve().parent
+DEFAULT_REPO, FILES = "Qwen/Qwen3-0.6B", "config.json generation_config.json tokenizer.json model.safetensors"
+
+def model_folder(model):
+    """--model -> a folder with the model. A local folder is used as it is; the default folder
+    while it lacks files, and a Hugging Face repo id (Qwen/Qwen3-1.7B), are downloaded first."""
+    path = Path(model).resolve()
+    is_repo = not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", model)
+    if not is_repo and (path != HERE / "Qwen3-0.6B" or not missing_files(path)):
+        return path  # a local folder: never downloaded; load() names anything it lacks
+    repo, files = (model, '--include "*.json" "*.safetensors"') if is_repo else (DEFAULT_REPO, FILES)
+    os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # our one line says what went wrong
+    from huggingface_hub import snapshot_download     # installed with tokenizers
+    try:  # a file appears only once complete, so a broken-off download is resumed, never used
+        folder = Path(snapshot_download(repo, local_dir=None if is_repo else path, allow_patterns=[
+            "config.json", "generation_config.json", "tokenizer.json", "*.safetensors*"]))
+        if missing := missing_files(folder):
+            raise FileNotFoundError(f"still no {', '.join(missing)}")
+        return folder
+    except Exception as e:
+        sys.exit(f"error: could not download {repo} ({type(e).__name__}: {str(e).splitlines()[0]})."
+                 f" Download it by hand: hf download {repo} {files} --local-dir {path.name if is_repo else path}")
+
+def parse_args(argv):
     ap = argparse.ArgumentParser(description="Qwen3 text generation from scratch with MLX.")
-    ap.add_argument("--model", default=str(here / "Qwen3-0.6B"), help="folder with the model files")
-    ap.add_argument("--prompt", default="The capital of France is")
+    ap.add_argument("--model", default=str(HERE / "Qwen3-0.6B"), help="folder or Hugging Face repo id")
+    ap.add_argument("--prompt", "-p", help='default: "The capital of France is"; "-" reads stdin')
     ap.add_argument("--max-tokens", "-m", type=int, default=100)
     ap.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--top-p", type=float, default=1.0, help="sample from this much probability")
+    ap.add_argument("--seed", type=int, help="makes sampling reproducible")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the weights'")
+    ap.add_argument("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
+    ap.add_argument("--chat", action="store_true", help="chat template; without --prompt: a conversation")
+    ap.add_argument("--system", help="system message, with --chat")
+    ap.add_argument("--no-think", action="store_true", help="switch Qwen3's thinking off, with --chat")
+    ap.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage dump
     args = ap.parse_args(argv)
+    args.prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    for wrong, message in [(args.prompt == "", "the prompt is empty"),
+                           (args.max_tokens < 1, "--max-tokens must be at least 1"),
+                           (not args.temperature >= 0, "--temperature must be 0 or more"),
+                           (not 0 < args.top_p <= 1, "--top-p must be more than 0 and at most 1"),
+                           (args.show_probs < 0, "--show-probs must be 0 or more")]:
+        if wrong:
+            ap.error(message)
+    return args
+
+ON_CTRL_C, OUTPUT = [], threading.Lock()  # what to print on Ctrl-C; who may print now
+
+def exit_on_ctrl_c():
+    """Ctrl-C stops at once, even inside a long computation (Python's KeyboardInterrupt would wait
+    for it to end): SIGINT is blocked in every thread but one, which waits for it, takes the
+    output, prints the stats so far and exits with status 130. What was printed stays on screen."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # threads started later inherit it
+
+    def wait():
+        signal.sigwait({signal.SIGINT})
+        OUTPUT.acquire()
+        [report() for report in ON_CTRL_C]
+        os._exit(130)
+
+    threading.Thread(target=wait, daemon=True).start()
+
+def run(prompt_ids, args, cache=None):
+    """Generate, print the text as it comes, then the stats as mlx_lm.generate does. -> ids."""
+    held = 0 if cache is None or cache[0] is None else cache[0][0].shape[1]
+    if held + len(prompt_ids) >= MAX_POS:
+        sys.exit(f"error: the prompt is {held + len(prompt_ids)} tokens; the context holds {MAX_POS}")
+    if held + len(prompt_ids) + args.max_tokens > MAX_POS:
+        print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
+    generated, times = [], [time.perf_counter()]  # times: start, first token
+
+    def stats():
+        n, end = len(generated), time.perf_counter()
+        first = times[1] if n else end
+        print(f"\n{'=' * 10}\nPrompt: {len(prompt_ids)} tokens, "
+              f"{len(prompt_ids) / max(first - times[0], 1e-9):.3f} tokens-per-sec\n"
+              f"Generation: {n} tokens, {max(n - 1, 0) / max(end - first, 1e-9):.3f} tokens-per-sec\n"
+              f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB", flush=True)
+
+    ON_CTRL_C[:] = [stats]
+    for token, piece in stream_text(generate(prompt_ids, args.max_tokens, args.temperature,
+                                             args.top_p, cache)):
+        times[1:] = times[1:] or [time.perf_counter()]  # token 1 ends the prefill
+        with OUTPUT:  # a piece on screen is a token counted
+            generated.append(token)
+            print(piece, end="", flush=True)
+    stats()
+    return generated
+
+def main(argv=None):
+    args = parse_args(argv)
+    exit_on_ctrl_c()
     if args.seed is not None:
         mx.random.seed(args.seed)
-    load(args.model)
-    n_params = sum(w.size for name, w in W.items() if name != "lm_head.weight" or
-                   w is not W["model.embed_tokens.weight"])
-    print(f"Qwen3 from {args.model}: {N_LAYERS} layers, hidden {D}, {N_HEADS} query / {N_KV} KV heads"
-          f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {W['model.norm.weight'].dtype}")
-    prompt_ids = TOK.encode(args.prompt).ids
-    print("=" * 10 + "\n" + args.prompt, end="", flush=True)
-    tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p)
-    n, start, first = 0, time.perf_counter(), None
-    for n, piece in enumerate(stream_text(tokens), 1):
-        first = first or time.perf_counter()  # token 1 needs the whole prompt: prompt time
-        print(piece, end="", flush=True)
-    end = time.perf_counter()
-    prompt_s, gen_s = (first or end) - start, end - (first or end)
-    print("\n" + "=" * 10)
-    print(f"Prompt: {len(prompt_ids)} tokens, {len(prompt_ids) / max(prompt_s, 1e-9):.3f} tokens-per-sec")
-    print(f"Generation: {n} tokens, {max(n - 1, 0) / max(gen_s, 1e-9):.3f} tokens-per-sec")
-    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    folder = model_folder(args.model)
+    try:
+        load(folder, getattr(mx, args.dtype) if args.dtype else None)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}. Get the model: hf download {DEFAULT_REPO} {FILES} --local-dir {folder}")
+    except KeyError as e:
+        sys.exit(f"error: {folder / 'config.json'} has no {e} entry")
+    except Exception as e:  # a broken file: one line that names it, no traceback
+        sys.exit(f"error: {e}")
+    n_params = sum(w.size for w in {id(w): w for w in W.values()}.values())  # tied head: once
+    print(f"Qwen3 from {folder}: {N_LAYERS} layers, hidden {D}, {N_HEADS} query / {N_KV} KV heads"
+          f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {str(W['model.norm.weight'].dtype).split('.')[-1]}")
+    system, think = args.system, not args.no_think
+    if not args.chat or args.prompt is not None:  # one prompt, one completion
+        text = "The capital of France is" if args.prompt is None else args.prompt
+        prompt_ids = TOK.encode(chat_prompt([text], system, think) if args.chat else text).ids
+        for token, p in top_next_tokens(prompt_ids, args.show_probs) if args.show_probs else []:
+            print(f"{TOK.decode([token])!r:>24} {p:.4g}")
+        print("=" * 10 + ("\n" if args.chat else "\n" + text), end="", flush=True)
+        run(prompt_ids, args)
+        return
+    turns, cache, cached_ids = [], [None] * N_LAYERS, []  # a conversation, a turn per line of input
+    while line := (sys.stdin.readline() if not sys.stdin.isatty() else input("\n> ") + "\n").rstrip("\n"):
+        turns.append(line)
+        prompt_ids = TOK.encode(chat_prompt(turns, system, think)).ids
+        reused = reuse_cache(cache, cached_ids, prompt_ids)
+        print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new tokens to prefill]\n{'=' * 10}")
+        generated = run(prompt_ids[reused:], args, cache)
+        turns.append(TOK.decode(generated))
+        cached_ids = (prompt_ids + generated)[:cache[0][0].shape[1]]  # what the cache now holds
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+THINK = ["<think>", "</think>"]  # added tokens that decode() keeps, as in Qwen3's tokenizer
 CORPUS = [
     "The capital of France is Paris. The capital of Japan is Tokyo.",
     "Once upon a time there was a small model that learned to write text, one token at a time.",
@@ -40,6 +41,7 @@ def build_tokenizer():
                                   show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
     tok.add_special_tokens(SPECIALS)  # ids after the learned ones, like Qwen's 151643..
+    tok.add_tokens(THINK)
     return tok
 
 
@@ -54,29 +56,29 @@ def write_checkpoint(folder, tokenizer, dtype="float32", lm_head="untied", rope=
     d, f, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     rng = np.random.default_rng(seed)
+    to_mx = lambda a: mx.array(a.astype(np.float32)).astype(getattr(mx, dtype))  # noqa: E731
 
     def mat(rows, cols, gain=1.0):  # std gain/sqrt(fan_in): activations stay O(1)
-        return rng.normal(0, gain / np.sqrt(cols), (rows, cols))
+        return to_mx(rng.normal(0, gain / np.sqrt(cols), (rows, cols)))
 
-    def gain(n):  # norm weights near 1, not all equal, so a wrong norm shows
-        return 1.0 + 0.2 * rng.normal(size=n)
+    def norm(n):  # norm weights near 1, not all equal, so a wrong norm shows
+        return to_mx(1.0 + 0.2 * rng.normal(size=n))
 
-    w = {"model.embed_tokens.weight": rng.normal(0, 1.0, (v, d)), "model.norm.weight": gain(d)}
+    arrays = {"model.embed_tokens.weight": to_mx(rng.normal(0, 1.0, (v, d))), "model.norm.weight": norm(d)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w.update({
-            p + "input_layernorm.weight": gain(d), p + "post_attention_layernorm.weight": gain(d),
+        arrays.update({
+            p + "input_layernorm.weight": norm(d), p + "post_attention_layernorm.weight": norm(d),
             p + "self_attn.q_proj.weight": mat(q, d, 2.0), p + "self_attn.k_proj.weight": mat(kv, d, 2.0),
             p + "self_attn.v_proj.weight": mat(kv, d), p + "self_attn.o_proj.weight": mat(d, q),
-            p + "self_attn.q_norm.weight": gain(hd), p + "self_attn.k_norm.weight": gain(hd),
+            p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
             p + "mlp.gate_proj.weight": mat(f, d), p + "mlp.up_proj.weight": mat(f, d),
             p + "mlp.down_proj.weight": mat(d, f)})
     if lm_head == "untied":
-        w["lm_head.weight"] = mat(v, d, 4.0)
-        w["lm_head.weight"][tokenizer.get_vocab_size():] *= 0.3  # padding rows: rarely chosen
+        scale = np.where(np.arange(v) < tokenizer.get_vocab_size(), 1.0, 0.3)[:, None]  # padding rows:
+        arrays["lm_head.weight"] = to_mx(rng.normal(0, 4.0 / np.sqrt(d), (v, d)) * scale)  # rarely chosen
     elif lm_head == "tied_stored":
-        w["lm_head.weight"] = w["model.embed_tokens.weight"]
-    arrays = {k: mx.array(a.astype(np.float32)).astype(getattr(mx, dtype)) for k, a in w.items()}
+        arrays["lm_head.weight"] = arrays["model.embed_tokens.weight"]
     names = sorted(arrays)
     if shards == 1:
         mx.save_safetensors(str(folder / "model.safetensors"), arrays, metadata={"format": "pt"})

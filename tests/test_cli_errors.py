@@ -1,0 +1,232 @@
+"""Bad input gets one clear line on stderr, a non-zero exit and no traceback (issue 5).
+
+Every test runs the real command line in a subprocess against tiny checkpoints written by the
+fixtures, or deliberately broken copies of them.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import llm_inference as li
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, stdin=None, env=None, cwd=None, script=ROOT / "llm_inference.py"):
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", **(env or {}))
+    r = subprocess.run([sys.executable, str(script), *args], input=stdin, cwd=cwd,
+                       capture_output=True, env=env, timeout=120)
+    r.stdout, r.stderr = r.stdout.decode("utf-8"), r.stderr.decode("utf-8")  # no newline translation
+    return r
+
+
+def assert_error(r, *needles):
+    """A failed run: non-zero exit, one line on stderr, no traceback, each needle in that line."""
+    assert r.returncode != 0, r.stdout
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ")
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture
+def broken(checkpoint, tmp_path):
+    """A fresh copy of the tiny checkpoint to break."""
+    return Path(shutil.copytree(checkpoint(), tmp_path / "model"))
+
+
+def test_missing_folder(tmp_path):
+    r = run_cli("--model", str(tmp_path / "nowhere"))
+    assert_error(r, "nowhere", "config.json", "tokenizer.json", "model.safetensors", "hf download")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_missing_file(broken, name):
+    (broken / name).unlink()
+    assert_error(run_cli("--model", str(broken)), f"lacks {name}", "hf download")
+
+
+def test_missing_shard(checkpoint, tmp_path):
+    folder = Path(shutil.copytree(checkpoint(shards=3), tmp_path / "sharded"))
+    (folder / "model-00002-of-00003.safetensors").unlink()
+    assert_error(run_cli("--model", str(folder)), "lacks model-00002-of-00003.safetensors")
+
+
+def test_config_not_json(broken):
+    (broken / "config.json").write_text("{ this is not json")
+    assert_error(run_cli("--model", str(broken)), "config.json is not valid JSON")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", None])
+def test_other_architecture(broken, model_type):
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["model_type"] = model_type
+    (broken / "config.json").write_text(json.dumps(cfg))
+    assert_error(run_cli("--model", str(broken)), f"model_type {model_type!r}", "qwen3")
+
+
+def test_config_key_missing(broken):
+    cfg = json.loads((broken / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    assert_error(run_cli("--model", str(broken)), "config.json has no 'num_hidden_layers'")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_safetensors", "empty"])
+def test_broken_weights_file(broken, damage):
+    path = broken / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "not_safetensors": b"<html>404</html>" * 10,
+                      "empty": b""}[damage])
+    assert_error(run_cli("--model", str(broken)), str(path), "not a complete safetensors file")
+
+
+def test_tensor_missing_or_wrong_shape(broken):
+    path = broken / "model.safetensors"
+    w = mx.load(str(path))
+    w["model.layers.2.self_attn.k_proj.weight"] = mx.zeros((3, 64))
+    mx.save_safetensors(str(path), w, metadata={"format": "pt"})
+    assert_error(run_cli("--model", str(broken)), "model.layers.2.self_attn.k_proj.weight has shape (3, 64)",
+                 "expected shape (64, 64)")
+    del w["model.layers.2.self_attn.k_proj.weight"]
+    mx.save_safetensors(str(path), w, metadata={"format": "pt"})
+    assert_error(run_cli("--model", str(broken)), "model.layers.2.self_attn.k_proj.weight is missing",
+                 "expected shape (64, 64)")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--prompt", ""], "the prompt is empty"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--max-tokens", "-5"], "--max-tokens must be at least 1"),
+    (["--max-tokens", "many"], "invalid int value: 'many'"),
+    (["--temperature", "-0.5"], "--temperature must be 0 or more"),
+    (["--temp", "nan"], "--temperature must be 0 or more"),
+    (["--top-p", "0"], "--top-p must be more than 0 and at most 1"),
+    (["--top-p", "1.5"], "--top-p must be more than 0 and at most 1"),
+    (["--top-k", "5"], "unrecognized arguments: --top-k 5"),
+    (["--show-probs", "-1"], "--show-probs must be 0 or more"),
+])
+def test_bad_flags(checkpoint, args, needle):
+    assert_error(run_cli("--model", str(checkpoint()), *args), needle)
+
+
+def test_empty_prompt_from_stdin(checkpoint):
+    assert_error(run_cli("--model", str(checkpoint()), "--prompt", "-", stdin=b""), "the prompt is empty")
+
+
+def test_prompt_longer_than_context(checkpoint, tokenizer):
+    folder = checkpoint(max_position_embeddings=32)
+    prompt = "The capital of France is Paris. " * 10
+    assert len(tokenizer.encode(prompt).ids) > 32
+    r = run_cli("--model", str(folder), "--prompt", prompt)
+    assert_error(r, "the context holds 32")
+    assert "Prompt:" not in r.stdout  # refused before computing
+
+
+def test_generation_stops_at_context_limit(checkpoint, tokenizer):
+    folder = checkpoint(max_position_embeddings=32)
+    prompt = "The capital of France is"
+    n_prompt = len(tokenizer.encode(prompt).ids)
+    r = run_cli("--model", str(folder), "--prompt", prompt, "--max-tokens", "100")
+    assert r.returncode == 0 and "Traceback" not in r.stderr
+    assert "context limit, 32 tokens" in r.stderr
+    assert f"Generation: {32 - n_prompt} tokens" in r.stdout
+    li.load(folder)
+    assert len(list(li.generate(tokenizer.encode(prompt).ids, max_tokens=100))) == 32 - n_prompt
+
+
+def test_extreme_sampling_settings_never_nan():
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        logits = mx.array(rng.normal(0, 5, 500).astype(np.float32))
+        best = int(np.argmax(np.array(logits)))
+        assert li.sample(logits, temperature=1e-30).item() == best           # behaves like greedy
+        assert li.sample(logits, temperature=1.0, top_p=1e-12).item() == best  # nucleus of one
+        assert 0 <= li.sample(logits, temperature=1e30).item() < 500         # no NaN: a valid id
+    bf16 = mx.array(rng.normal(0, 30, 500).astype(np.float32)).astype(mx.bfloat16)
+    assert li.sample(bf16, temperature=1e-30).item() == li.sample(bf16).item()
+
+
+def test_extreme_sampling_flags_match_greedy(checkpoint):
+    args = ("--model", str(checkpoint()), "--prompt", "Once upon a time", "-m", "12")
+    greedy = run_cli(*args).stdout.split("==========")[1]
+    for extra in (["--temp", "1e-30"], ["--temp", "1", "--top-p", "1e-12"]):
+        r = run_cli(*args, *extra)
+        assert r.returncode == 0 and r.stdout.split("==========")[1] == greedy
+
+
+def test_ids_beyond_the_tokenizer_never_crash(checkpoint, tokenizer):
+    li.load(checkpoint())
+    assert li.W["lm_head.weight"].shape[0] > tokenizer.get_vocab_size()  # as 151936 > 151669
+    text = "Paris ❤️"
+    ids = [tokenizer.get_vocab_size(), 639] + tokenizer.encode(text).ids + [600]
+    assert "".join(piece for _, piece in li.stream_text(ids)) == text
+
+
+@pytest.mark.parametrize("prompt", ["Emoji 😀👍🏽❤️ and 🇫🇷", "日本語と中文", "e\u0301 combining a\u0308",
+                                    "tab\there\r\ncarriage\rreturn", "nul\x00byte"])
+def test_unusual_prompts_run_normally(checkpoint, prompt):
+    r = run_cli("--model", str(checkpoint()), "--prompt", "-", "-m", "5", stdin=prompt.encode())
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "==========\n" + prompt in r.stdout  # streamed back exactly, no broken characters
+    assert "\ufffd" not in r.stdout.split("==========")[1][: len(prompt) + 1]
+
+
+def interrupt(args, wait_for, delay):
+    """Start the CLI, wait until stdout shows wait_for, wait delay seconds, press Ctrl-C."""
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, str(ROOT / "llm_inference.py"), *args], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = b""
+    while wait_for.encode() not in seen:
+        chunk = os.read(p.stdout.fileno(), 4096)
+        assert chunk, (seen, p.stderr.read())
+        seen += chunk
+    time.sleep(delay)
+    sent = time.perf_counter()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    return p.returncode, (seen + out).decode(), err.decode(), time.perf_counter() - sent
+
+
+@pytest.fixture(scope="module")
+def slow_checkpoint(tmp_path_factory, tokenizer):
+    """Wide enough that a long prompt's prefill takes seconds on a CPU."""
+    from conftest import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("slow"), tokenizer, hidden_size=512,
+                            intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=64, max_position_embeddings=8192)
+
+
+def test_ctrl_c_during_prefill(slow_checkpoint):
+    prompt = "The capital of France is Paris. " * 60  # ~600 tokens: a prefill of several seconds
+    code, out, err, took = interrupt(["--model", str(slow_checkpoint), "--prompt", prompt], prompt, 0.3)
+    assert code == 130 and "Traceback" not in err, err
+    assert "Generation: 0 tokens" in out  # stopped inside the prefill ...
+    assert took < 2.0, took               # ... at once, not when it would have ended
+    assert "Prompt: " in out and "Peak memory: " in out
+
+
+def test_ctrl_c_during_generation(slow_checkpoint):
+    folder = str(slow_checkpoint)
+    code, out, err, _ = interrupt(["--model", folder, "--prompt", "Once upon a time", "-m", "100000"],
+                                  "Once upon a time", 1.0)
+    assert code == 130 and "Traceback" not in err, err
+    n = int(out.split("Generation: ")[1].split()[0])
+    assert 0 < n < 100000
+    li.load(folder)  # what was streamed stays: the text so far is the greedy continuation
+    shown = out.split("==========\n", 1)[1].rsplit("\n==========\n", 1)[0]
+    ids = li.TOK.encode("Once upon a time").ids
+    pieces = li.stream_text(li.generate(ids, max_tokens=n))
+    assert shown == "Once upon a time" + "".join(piece for _, piece in pieces)

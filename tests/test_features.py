@@ -1,0 +1,158 @@
+"""The teaching features (issue 3): --show-probs, the chat template, the KV cache kept between
+chat turns, and the weights fetched on first run."""
+import ast
+import re
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load_model
+
+import llm_inference as li
+from test_cli_errors import ROOT, assert_error, run_cli
+from test_model import rel_err
+
+
+def test_show_probs_equal_softmax_of_mlx_lm(checkpoint, tokenizer):
+    folder = checkpoint()
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt).ids
+    model, _ = load_model(Path(folder))
+    probs = mx.softmax(model(mx.array(ids)[None])[0, -1].astype(mx.float32))
+    top = mx.argsort(-probs)[:6].tolist()
+    r = run_cli("--model", str(folder), "--prompt", prompt, "--show-probs", "6", "-m", "1")
+    assert r.returncode == 0, r.stderr
+    rows = r.stdout.split("\n==========")[0].splitlines()[1:]  # after the model summary
+    assert len(rows) == 6
+    for row, token in zip(rows, top):
+        shown, p = row.strip().rsplit(" ", 1)
+        assert ast.literal_eval(shown) == tokenizer.decode([token])  # quoted: spaces stay visible
+        assert float(p) == pytest.approx(probs[token].item(), rel=1e-3)  # 4 significant digits
+    assert [float(row.rsplit(" ", 1)[1]) for row in rows] == sorted(
+        (float(row.rsplit(" ", 1)[1]) for row in rows), reverse=True)
+
+
+@pytest.mark.parametrize("system", [None, "You are terse. 🙂"])
+@pytest.mark.parametrize("think", [True, False])
+def test_chat_prompt_is_qwen3_template(checkpoint, tokenizer, system, think):
+    question = "What is the capital of France? 🇫🇷"
+    expected = (f"<|im_start|>system\n{system}<|im_end|>\n" if system else "") + \
+        f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n" + \
+        ("" if think else "<think>\n\n</think>\n\n")
+    assert li.chat_prompt([question], system, think) == expected
+    ids = tokenizer.encode(expected).ids
+    assert ids.count(tokenizer.token_to_id("<|im_start|>")) == (3 if system else 2)  # one id each
+    folder = checkpoint()
+    flags = (["--system", system] if system else []) + ([] if think else ["--no-think"])
+    r = run_cli("--model", str(folder), "--chat", "--prompt", question, "-m", "8", *flags)
+    assert r.returncode == 0, r.stderr
+    li.load(folder)
+    reply = "".join(piece for _, piece in li.stream_text(li.generate(ids, max_tokens=8)))
+    assert f"==========\n{reply}\n==========" in r.stdout
+
+
+def test_chat_template_drops_earlier_thinking():
+    turns = ["Hi", "<think>\nThe user greets me.\n</think>\n\nHello!", "Bye", "\nNo thinking here"]
+    assert li.chat_prompt(turns + ["Again"]) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n\nNo thinking here<|im_end|>\n"
+        "<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_generation_stops_at_im_end(checkpoint, tokenizer):
+    li.load(checkpoint())
+    assert tokenizer.token_to_id("<|im_end|>") in li.EOS_IDS
+
+
+def test_reused_cache_equals_fresh_forward(checkpoint, tokenizer):
+    """Turn 2 computes only its new tokens on top of turn 1's cache; where the template drops
+    turn 1's thinking, the cache is cut back to the common prefix. Logits equal a fresh forward."""
+    li.load(checkpoint())
+    cache = [None] * li.N_LAYERS
+    ids1 = tokenizer.encode(li.chat_prompt(["Hello there"])).ids
+    reply = list(li.generate(ids1, max_tokens=10, cache=cache))
+    cached = (ids1 + reply)[:cache[0][0].shape[1]]
+    ids2 = tokenizer.encode(li.chat_prompt(["Hello there", tokenizer.decode(reply), "And Japan?"])).ids
+    for cached_ids, prompt_ids in [(cached, ids2), (None, None)]:
+        if cached_ids is None:  # a reply with thinking, which the next prompt leaves out
+            cache = [None] * li.N_LAYERS
+            thought = tokenizer.encode("<think>\nhmm\n</think>\n\nParis.").ids
+            mx.eval(li.forward(ids1 + thought, cache, 0))
+            cached_ids = ids1 + thought
+            prompt_ids = tokenizer.encode(li.chat_prompt(["Hello there", "<think>\nhmm\n</think>\n\nParis.",
+                                                          "And Japan?"])).ids
+        n = li.reuse_cache(cache, cached_ids, prompt_ids)
+        assert 0 < n < len(prompt_ids)
+        assert prompt_ids[:n] == cached_ids[:n] and cache[0][0].shape[1] == n
+        ours = li.forward(prompt_ids[n:], cache, n)
+        fresh = li.forward(prompt_ids, [None] * li.N_LAYERS, 0)[n:]
+        assert rel_err(ours, fresh) < 1e-5
+    assert n == len(ids1)  # thinking dropped: reuse stops right after "<|im_start|>assistant\n"
+
+
+def test_two_turn_conversation_over_stdin(checkpoint, tokenizer):
+    folder = checkpoint()
+    r = run_cli("--model", str(folder), "--chat", "-m", "6", stdin="Hello there\nAnd Japan?\n".encode())
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    counts = [tuple(map(int, m)) for m in re.findall(r"\[KV cache: (\d+) tokens reused, (\d+) new", r.stdout)]
+    assert len(counts) == 2 and counts[0][0] == 0  # two turns, then end of input ends it
+    li.load(folder)
+    ids1 = tokenizer.encode(li.chat_prompt(["Hello there"])).ids
+    reply1 = list(li.generate(ids1, max_tokens=6))
+    ids2 = tokenizer.encode(li.chat_prompt(["Hello there", tokenizer.decode(reply1), "And Japan?"])).ids
+    assert counts[0][1] == len(ids1) and sum(counts[1]) == len(ids2)
+    assert counts[1][0] > len(ids1) // 2 and counts[1][1] < len(ids2)  # turn 2 prefilled less
+    reply2 = "".join(piece for _, piece in li.stream_text(li.generate(ids2, max_tokens=6)))
+    assert r.stdout.rstrip().count("==========") == 4
+    assert reply2 + "\n==========" in r.stdout  # the same reply as from a fresh, full prefill
+
+
+def test_empty_line_ends_conversation(checkpoint):
+    r = run_cli("--model", str(checkpoint()), "--chat", "-m", "3", stdin=b"Hi\n\nnever read\n")
+    assert r.returncode == 0 and r.stdout.count("[KV cache:") == 1
+
+
+@pytest.fixture
+def script_copy(tmp_path):
+    """llm_inference.py alone in an empty folder: its default Qwen3-0.6B/ does not exist."""
+    shutil.copy(ROOT / "llm_inference.py", tmp_path)
+    return tmp_path
+
+
+def run_copy(folder, *args, home):
+    env = dict(HF_HUB_OFFLINE="1", HF_HOME=str(home))
+    return run_cli(*args, env=env, script=folder / "llm_inference.py")
+
+
+def test_offline_first_run_gives_the_download_command(script_copy, tmp_path):
+    r = run_copy(script_copy, home=tmp_path / "hf")
+    assert_error(r, "could not download Qwen/Qwen3-0.6B", "hf download Qwen/Qwen3-0.6B config.json "
+                 f"generation_config.json tokenizer.json model.safetensors --local-dir {script_copy / 'Qwen3-0.6B'}")
+    assert li.missing_files(script_copy / "Qwen3-0.6B")  # nothing that passes for a model
+
+
+def test_partial_download_is_not_a_model(script_copy, checkpoint, tmp_path):
+    partial = script_copy / "Qwen3-0.6B"
+    partial.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(checkpoint() / name, partial)
+    assert_error(run_copy(script_copy, home=tmp_path / "hf"), "could not download Qwen/Qwen3-0.6B")
+    shutil.copy(checkpoint() / "model.safetensors", partial)  # complete: used, never downloaded
+    r = run_copy(script_copy, "-m", "3", home=tmp_path / "hf")
+    assert r.returncode == 0 and "Generation: 3 tokens" in r.stdout, r.stderr
+
+
+def test_repo_id_offline(tmp_path):
+    r = run_cli("--model", "Qwen/Qwen3-1.7B", env=dict(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path)))
+    assert_error(r, "could not download Qwen/Qwen3-1.7B",
+                 'hf download Qwen/Qwen3-1.7B --include "*.json" "*.safetensors" --local-dir Qwen3-1.7B')
+
+
+def test_local_folder_never_downloads(tmp_path):
+    (tmp_path / "org" / "name").mkdir(parents=True)  # looks like a repo id, but exists here
+    for folder in (str(tmp_path / "org" / "name"), "org/name"):
+        r = run_cli("--model", folder, env=dict(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf")),
+                    cwd=tmp_path)
+        assert_error(r, "lacks config.json")
+        assert "could not download" not in r.stderr
