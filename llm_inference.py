@@ -169,16 +169,13 @@ def transformer_block(x, layer_idx, cache, positions):
 
 
 # ═══ 6. Forward — ids in, one score per vocabulary entry out, for every position ═══
-def forward(token_ids, cache, start_pos, last_only=False):
-    """token_ids: L ids (ints or an int array) at positions start_pos.. -> logits (L, vocab),
-    or (1, vocab) for the last position only. cache: one entry per layer ([None] * N_LAYERS
-    to start), extended in place."""
+def forward(token_ids, cache, start_pos):
+    """token_ids: L ids (ints or an int array) at positions start_pos.. -> logits (L, vocab).
+    cache: one entry per layer ([None] * N_LAYERS to start), extended in place."""
     positions = mx.arange(start_pos, start_pos + len(token_ids))       # (L,)
     x = W["model.embed_tokens.weight"][mx.array(token_ids)]            # (L, 1024)
     for i in range(N_LAYERS):
         x = transformer_block(x, i, cache, positions)                  # (L, 1024)
-    if last_only:  # generation reads only the last row: skip L-1 rows of the 151936-wide head
-        x = x[-1:]                                                     # (1, 1024)
     x = rms_norm(x, W["model.norm.weight"])                            # (L, 1024)
     return x @ W["lm_head.weight"].T                                   # (L, 151936)
 
@@ -209,9 +206,16 @@ def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None)
     start = 0 if cache[0] is None else cache[0][0].shape[1]            # tokens already cached
 
     def step(ids, pos):                                                # ids at pos.. -> next token
-        return sample(forward(ids, cache, pos, last_only=True)[0], temperature, top_p)  # () lazy
+        return sample(forward(ids, cache, pos)[-1], temperature, top_p)  # () lazy: nothing ran yet
 
-    token = step(prompt_ids, start)                                    # prefill: the whole prompt
+    # Prefill. Only the last prompt token's logits are needed: the others just fill the cache,
+    # in chunks of 512 (bounded memory). MLX computes only what mx.eval asks for, so their
+    # logits (and the last layer's feed-forward) are never computed.
+    *head, last = prompt_ids
+    for i in range(0, len(head), 512):
+        forward(head[i:i + 512], cache, start + i)
+        mx.eval(cache)
+    token = step([last], start + len(head))                            # () the first new token
     end = min(start + len(prompt_ids) + max_tokens, MAX_POS)           # never past the context
     for pos in range(start + len(prompt_ids), end):
         upcoming = None
@@ -255,7 +259,7 @@ def reuse_cache(cache, cached_ids, prompt_ids):
 
 def top_next_tokens(prompt_ids, k):
     """The k likeliest next tokens after prompt_ids: [(id, probability)], softmax at temperature 1."""
-    probs = mx.softmax(forward(prompt_ids, [None] * N_LAYERS, 0, True)[0].astype(mx.float32))  # (vocab,)
+    probs = mx.softmax(forward(prompt_ids, [None] * N_LAYERS, 0)[-1].astype(mx.float32))  # (vocab,)
     top = mx.argsort(-probs)[:k]                                       # (k,) likeliest first
     return list(zip(top.tolist(), probs[top].tolist()))
 
