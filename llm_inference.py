@@ -265,8 +265,8 @@ def top_next_tokens(prompt_ids, k):
 
 
 # ═══ 10. Command line — flags named as in mlx_lm.generate ═══
-HERE = Path(__file__).resolve().parent
-DEFAULT_REPO, FILES = "Qwen/Qwen3-0.6B", "config.json generation_config.json tokenizer.json model.safetensors"
+HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
+FILES = "config.json generation_config.json tokenizer.json model.safetensors"  # what REPO needs
 
 def model_folder(model):
     """--model -> a folder with the model. A local folder is used as it is; the default folder
@@ -275,10 +275,10 @@ def model_folder(model):
     is_repo = not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", model)
     if not is_repo and (path != HERE / "Qwen3-0.6B" or not missing_files(path)):
         return path  # a local folder: never downloaded; load() names anything it lacks
-    repo, files = (model, '--include "*.json" "*.safetensors"') if is_repo else (DEFAULT_REPO, FILES)
+    repo, files = (model, '--include "*.json" "*.safetensors"') if is_repo else (REPO, FILES)
     os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # our one line says what went wrong
     from huggingface_hub import snapshot_download     # installed with tokenizers
-    try:  # a file appears only once complete, so a broken-off download is resumed, never used
+    try:  # a file appears only once complete: a broken-off download is resumed, never used
         folder = Path(snapshot_download(repo, local_dir=None if is_repo else path, allow_patterns=[
             "config.json", "generation_config.json", "tokenizer.json", "*.safetensors*"]))
         if missing := missing_files(folder):
@@ -286,22 +286,23 @@ def model_folder(model):
         return folder
     except Exception as e:
         sys.exit(f"error: could not download {repo} ({type(e).__name__}: {str(e).splitlines()[0]})."
-                 f" Download it by hand: hf download {repo} {files} --local-dir {path.name if is_repo else path}")
+                 f" Download it by hand: hf download {repo} {files} --local-dir"
+                 f" {path.name if is_repo else path}")
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description="Qwen3 text generation from scratch with MLX.")
-    ap.add_argument("--model", default=str(HERE / "Qwen3-0.6B"), help="folder or Hugging Face repo id")
+    ap.add_argument("--model", default=str(HERE / "Qwen3-0.6B"), help="folder or Hugging Face repo")
     ap.add_argument("--prompt", "-p", help='default: "The capital of France is"; "-" reads stdin')
     ap.add_argument("--max-tokens", "-m", type=int, default=100)
     ap.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="sample from this much probability")
     ap.add_argument("--seed", type=int, help="makes sampling reproducible")
-    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the weights'")
-    ap.add_argument("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
-    ap.add_argument("--chat", action="store_true", help="chat template; without --prompt: a conversation")
+    ap.add_argument("--show-probs", type=int, default=0, metavar="K", help="K likeliest next tokens")
+    ap.add_argument("--chat", action="store_true", help="chat template; no --prompt: a conversation")
     ap.add_argument("--system", help="system message, with --chat")
-    ap.add_argument("--no-think", action="store_true", help="switch Qwen3's thinking off, with --chat")
-    ap.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage dump
+    ap.add_argument("--no-think", action="store_true", help="switch thinking off, with --chat")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: weights'")
+    ap.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage
     args = ap.parse_args(argv)
     args.prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     for wrong, message in [(args.prompt == "", "the prompt is empty"),
@@ -313,7 +314,7 @@ def parse_args(argv):
             ap.error(message)
     return args
 
-ON_CTRL_C, OUTPUT = [], threading.Lock()  # what to print on Ctrl-C; who may print now
+ON_CTRL_C, OUTPUT = [], threading.Lock()  # what to print on Ctrl-C; held while printing
 
 def exit_on_ctrl_c():
     """Ctrl-C stops at once, even inside a long computation (Python's KeyboardInterrupt would wait
@@ -331,10 +332,10 @@ def exit_on_ctrl_c():
 
 def run(prompt_ids, args, cache=None):
     """Generate, print the text as it comes, then the stats as mlx_lm.generate does. -> ids."""
-    held = 0 if cache is None or cache[0] is None else cache[0][0].shape[1]
-    if held + len(prompt_ids) >= MAX_POS:
-        sys.exit(f"error: the prompt is {held + len(prompt_ids)} tokens; the context holds {MAX_POS}")
-    if held + len(prompt_ids) + args.max_tokens > MAX_POS:
+    used = len(prompt_ids) + (0 if cache is None or cache[0] is None else cache[0][0].shape[1])
+    if used >= MAX_POS:
+        sys.exit(f"error: the prompt is {used} tokens; the context holds {MAX_POS}")
+    if used + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
     generated, times = [], [time.perf_counter()]  # times: start, first token
 
@@ -347,14 +348,21 @@ def run(prompt_ids, args, cache=None):
               f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB", flush=True)
 
     ON_CTRL_C[:] = [stats]
-    for token, piece in stream_text(generate(prompt_ids, args.max_tokens, args.temperature,
-                                             args.top_p, cache)):
+    tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache)
+    for token, piece in stream_text(tokens):
         times[1:] = times[1:] or [time.perf_counter()]  # token 1 ends the prefill
         with OUTPUT:  # a piece on screen is a token counted
             generated.append(token)
             print(piece, end="", flush=True)
     stats()
     return generated
+
+def read_turn():
+    """The next line of the conversation ("" at the end of input)."""
+    try:
+        return input("\n> " if sys.stdin.isatty() else "")
+    except EOFError:
+        return ""
 
 def main(argv=None):
     args = parse_args(argv)
@@ -365,29 +373,30 @@ def main(argv=None):
     try:
         load(folder, getattr(mx, args.dtype) if args.dtype else None)
     except FileNotFoundError as e:
-        sys.exit(f"error: {e}. Get the model: hf download {DEFAULT_REPO} {FILES} --local-dir {folder}")
+        sys.exit(f"error: {e}. Get the model: hf download {REPO} {FILES} --local-dir {folder}")
     except KeyError as e:
         sys.exit(f"error: {folder / 'config.json'} has no {e} entry")
     except Exception as e:  # a broken file: one line that names it, no traceback
         sys.exit(f"error: {e}")
-    n_params = sum(w.size for w in {id(w): w for w in W.values()}.values())  # tied head: once
+    n_params = sum(w.size for w in {id(w): w for w in W.values()}.values())  # a tied head once
     print(f"Qwen3 from {folder}: {N_LAYERS} layers, hidden {D}, {N_HEADS} query / {N_KV} KV heads"
-          f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {str(W['model.norm.weight'].dtype).split('.')[-1]}")
+          f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {W['model.norm.weight'].dtype}")
     system, think = args.system, not args.no_think
     if not args.chat or args.prompt is not None:  # one prompt, one completion
         text = "The capital of France is" if args.prompt is None else args.prompt
         prompt_ids = TOK.encode(chat_prompt([text], system, think) if args.chat else text).ids
         for token, p in top_next_tokens(prompt_ids, args.show_probs) if args.show_probs else []:
             print(f"{TOK.decode([token])!r:>24} {p:.4g}")
-        print("=" * 10 + ("\n" if args.chat else "\n" + text), end="", flush=True)
+        print("=" * 10 + "\n" + ("" if args.chat else text), end="", flush=True)
         run(prompt_ids, args)
         return
-    turns, cache, cached_ids = [], [None] * N_LAYERS, []  # a conversation, a turn per line of input
-    while line := (sys.stdin.readline() if not sys.stdin.isatty() else input("\n> ") + "\n").rstrip("\n"):
+    turns, cache, cached_ids = [], [None] * N_LAYERS, []  # a conversation: one turn per line
+    while line := read_turn():
         turns.append(line)
         prompt_ids = TOK.encode(chat_prompt(turns, system, think)).ids
         reused = reuse_cache(cache, cached_ids, prompt_ids)
-        print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new tokens to prefill]\n{'=' * 10}")
+        print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
+        print("=" * 10)
         generated = run(prompt_ids[reused:], args, cache)
         turns.append(TOK.decode(generated))
         cached_ids = (prompt_ids + generated)[:cache[0][0].shape[1]]  # what the cache now holds
