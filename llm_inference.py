@@ -330,13 +330,18 @@ def exit_on_ctrl_c():
 
     threading.Thread(target=wait, daemon=True).start()
 
-def run(prompt_ids, args, cache=None):
-    """Generate, print the text as it comes, then the stats as mlx_lm.generate does. -> ids."""
+def run(prompt_ids, args, cache=None, echo=""):
+    """Check the length, show the likeliest next tokens (--show-probs), generate and print the
+    text as it comes (after echo), then the stats as mlx_lm.generate does. Returns the new ids."""
     used = len(prompt_ids) + (0 if cache is None or cache[0] is None else cache[0][0].shape[1])
     if used >= MAX_POS:
         sys.exit(f"error: the prompt is {used} tokens; the context holds {MAX_POS}")
     if used + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
+    if args.show_probs and cache is None:  # quoted, so that a leading space or "\n" shows
+        for token, p in top_next_tokens(prompt_ids, args.show_probs):
+            print(f"{TOK.decode([token])!r:>24} {p:.4g}")
+    print("=" * 10 + "\n" + echo, end="", flush=True)
     generated, times = [], [time.perf_counter()]  # times: start, first token
 
     def stats():
@@ -385,10 +390,7 @@ def main(argv=None):
     if not args.chat or args.prompt is not None:  # one prompt, one completion
         text = "The capital of France is" if args.prompt is None else args.prompt
         prompt_ids = TOK.encode(chat_prompt([text], system, think) if args.chat else text).ids
-        for token, p in top_next_tokens(prompt_ids, args.show_probs) if args.show_probs else []:
-            print(f"{TOK.decode([token])!r:>24} {p:.4g}")
-        print("=" * 10 + "\n" + ("" if args.chat else text), end="", flush=True)
-        run(prompt_ids, args)
+        run(prompt_ids, args, echo="" if args.chat else text)
         return
     turns, cache, cached_ids = [], [None] * N_LAYERS, []  # a conversation: one turn per line
     while line := read_turn():
@@ -396,7 +398,6 @@ def main(argv=None):
         prompt_ids = TOK.encode(chat_prompt(turns, system, think)).ids
         reused = reuse_cache(cache, cached_ids, prompt_ids)
         print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
-        print("=" * 10)
         generated = run(prompt_ids[reused:], args, cache)
         turns.append(TOK.decode(generated))
         cached_ids = (prompt_ids + generated)[:cache[0][0].shape[1]]  # what the cache now holds
