@@ -282,7 +282,7 @@ def model_folder(model):
         folder = Path(snapshot_download(repo, local_dir=None if is_repo else path, allow_patterns=[
             "config.json", "generation_config.json", "tokenizer.json", "*.safetensors*"]))
         if missing := missing_files(folder):
-            raise FileNotFoundError(f"still no {', '.join(missing)}")
+            raise ConnectionError(f"the Hub was not reached; still no {', '.join(missing)}")
         return folder
     except Exception as e:
         sys.exit(f"error: could not download {repo} ({type(e).__name__}: {str(e).splitlines()[0]})."
