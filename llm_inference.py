@@ -199,11 +199,15 @@ def sample(logits, temperature=0.0, top_p=1.0):
 
 
 # ═══ 8. Generate — read the prompt once, then write one token at a time ═══
+def cache_len(cache):
+    """How many tokens a KV cache (None, or one (keys, values) per layer) holds."""
+    return 0 if cache is None or cache[0] is None else cache[0][0].shape[1]
+
 def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None):
     """Yield up to max_tokens ids (ints) continuing prompt_ids; stop before any EOS id and at the
     context limit. cache: the list from an earlier call, to continue after the tokens it holds."""
     cache = cache if cache is not None else [None] * N_LAYERS          # one (keys, values) per layer
-    start = 0 if cache[0] is None else cache[0][0].shape[1]            # tokens already cached
+    start = cache_len(cache)                                           # tokens already cached
 
     def step(ids, pos):                                                # ids at pos.. -> next token
         return sample(forward(ids, cache, pos)[-1], temperature, top_p)  # () lazy: nothing ran yet
@@ -333,7 +337,7 @@ def exit_on_ctrl_c():
 def run(prompt_ids, args, cache=None, echo=""):
     """Check the length, show the likeliest next tokens (--show-probs), generate and print the
     text as it comes (after echo), then the stats as mlx_lm.generate does. Returns the new ids."""
-    used = len(prompt_ids) + (0 if cache is None or cache[0] is None else cache[0][0].shape[1])
+    used = cache_len(cache) + len(prompt_ids)
     if used >= MAX_POS:
         sys.exit(f"error: the prompt is {used} tokens; the context holds {MAX_POS}")
     if used + args.max_tokens > MAX_POS:
@@ -400,7 +404,7 @@ def main(argv=None):
         print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
         generated = run(prompt_ids[reused:], args, cache)
         turns.append(TOK.decode(generated))
-        cached_ids = (prompt_ids + generated)[:cache[0][0].shape[1]]  # what the cache now holds
+        cached_ids = (prompt_ids + generated)[:cache_len(cache)]  # what the cache now holds
 
 
 if __name__ == "__main__":

@@ -177,3 +177,14 @@ def test_load_rejects_wrong_shape(checkpoint, tmp_path):
 def test_import_loads_nothing():
     mod = importlib.reload(li)
     assert mod.W == {} and mod.TOK is None
+
+
+def test_dtype_option_computes_in_float32(checkpoint, tokenizer):
+    """--dtype float32 on bfloat16 weights: the same numbers as mlx-lm with those weights in float32."""
+    folder = checkpoint(dtype="bfloat16")
+    ids = tokenizer.encode(TEXT).ids
+    li.load(folder, mx.float32)
+    assert {w.dtype for w in li.W.values()} == {mx.float32}
+    ours = li.forward(ids, [None] * li.N_LAYERS, 0)
+    assert ours.dtype == mx.float32
+    assert rel_err(ours, mlx_lm_logits(folder, ids, dtype=mx.float32)) < 1e-4

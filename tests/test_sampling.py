@@ -105,3 +105,10 @@ def test_cli_sampling_flags_and_seed(checkpoint):
     args = ("--model", folder, "--prompt", "Once", "-m", "10", "--temp", "0.9", "--top-p", "0.95")
     a, b = run_cli(*args, "--seed", "5"), run_cli(*args, "--seed", "5")
     assert a.returncode == 0 and a.stdout.split("==========")[1] == b.stdout.split("==========")[1]
+
+
+def test_cli_dtype_flag(checkpoint):
+    folder = str(checkpoint(dtype="bfloat16"))
+    r = run_cli("--model", folder, "--prompt", "Once", "-m", "4", "--dtype", "float32")
+    assert r.returncode == 0 and "float32" in r.stdout.splitlines()[0]
+    assert "bfloat16" in run_cli("--model", folder, "--prompt", "Once", "-m", "4").stdout.splitlines()[0]
