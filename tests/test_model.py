@@ -188,3 +188,14 @@ def test_dtype_option_computes_in_float32(checkpoint, tokenizer):
     ours = li.forward(ids, [None] * li.N_LAYERS, 0)
     assert ours.dtype == mx.float32
     assert rel_err(ours, mlx_lm_logits(folder, ids, dtype=mx.float32)) < 1e-4
+
+
+def test_generate_one_token_and_zero_room(checkpoint, tokenizer):
+    li.load(checkpoint())
+    ids = tokenizer.encode("The capital of France is").ids
+    assert list(li.generate(ids, max_tokens=1)) == list(li.generate(ids, max_tokens=5))[:1]
+    li.MAX_POS = len(ids)  # a full context: nothing more to generate
+    try:
+        assert list(li.generate(ids, max_tokens=5)) == []
+    finally:
+        li.load(checkpoint())
