@@ -89,7 +89,9 @@ def write_checkpoint(folder, tokenizer, dtype="float32", lm_head="untied", rope=
             part = {k: arrays[k] for k in names[s::shards]}
             index.update({k: fname for k in part})
             mx.save_safetensors(str(folder / fname), part, metadata={"format": "pt"})
-        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+        total = sum(a.nbytes for a in arrays.values())  # the real index format
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": index}))
     ids = {t: tokenizer.token_to_id(t) for t in SPECIALS}
     rope_cfg = {"rope_theta": 1000000.0, "rope_scaling": None} if rope == "flat" else \
         {"rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}

@@ -74,7 +74,7 @@ def test_float32_logits_equal_transformers(checkpoint, tokenizer):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     ids = tokenizer.encode(TEXT).ids
-    for options in [dict(), dict(lm_head="tied", rope="nested")]:
+    for options in [dict(), dict(lm_head="tied", rope="nested"), dict(shards=3)]:
         folder = checkpoint(**options)
         model = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         with torch.no_grad():
