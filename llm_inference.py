@@ -329,7 +329,8 @@ def exit_on_ctrl_c():
     def wait():
         signal.sigwait({signal.SIGINT})
         OUTPUT.acquire()
-        [report() for report in ON_CTRL_C]
+        for report in ON_CTRL_C:
+            report()
         os._exit(130)
 
     threading.Thread(target=wait, daemon=True).start()
@@ -364,6 +365,7 @@ def run(prompt_ids, args, cache=None, echo=""):
             generated.append(token)
             print(piece, end="", flush=True)
     stats()
+    ON_CTRL_C.clear()  # Ctrl-C at the chat prompt just ends the program
     return generated
 
 def read_turn():

@@ -230,3 +230,22 @@ def test_ctrl_c_during_generation(slow_checkpoint):
     ids = li.TOK.encode("Once upon a time").ids
     pieces = li.stream_text(li.generate(ids, max_tokens=n))
     assert shown == "Once upon a time" + "".join(piece for _, piece in pieces)
+
+
+def test_ctrl_c_at_the_chat_prompt(checkpoint):
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, str(ROOT / "llm_inference.py"), "--model", str(checkpoint()),
+                          "--chat", "-m", "3"], env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdin.write(b"Hi\n")
+    p.stdin.flush()
+    seen = b""
+    while b"Peak memory" not in seen:  # the first turn is done; now it waits for the next line
+        chunk = os.read(p.stdout.fileno(), 4096)
+        assert chunk, seen
+        seen += chunk
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and err == b"", err
+    assert (seen + out).count(b"Peak memory") == 1  # no stale stats from the finished turn
