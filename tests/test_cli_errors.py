@@ -246,6 +246,8 @@ def test_ctrl_c_at_the_chat_prompt(checkpoint):
         seen += chunk
     time.sleep(0.3)
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=30)
+    p.wait(timeout=30)  # stdin stays open, as at a terminal: only Ctrl-C can end it
+    out, err = p.stdout.read(), p.stderr.read()
+    p.stdin.close()
     assert p.returncode == 130 and err == b"", err
     assert (seen + out).count(b"Peak memory") == 1  # no stale stats from the finished turn
