@@ -203,29 +203,30 @@ def cache_len(cache):
     """How many tokens a KV cache (None, or one (keys, values) per layer) holds."""
     return 0 if cache is None or cache[0] is None else cache[0][0].shape[1]
 
+def prefill(prompt_ids, cache, start=0):
+    """Run the prompt through the model at positions start..; -> logits (vocab,) of its last
+    token, lazy. The other tokens only fill the cache, in chunks of 512 (bounded memory); MLX
+    computes only what mx.eval asks for, so their logits (and the last layer's feed-forward)
+    are never computed."""
+    *head, last = prompt_ids
+    for i in range(0, len(head), 512):
+        forward(head[i:i + 512], cache, start + i)
+        mx.eval(cache)
+    return forward([last], cache, start + len(head))[-1]              # (vocab,)
+
 def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None):
     """Yield up to max_tokens ids (ints) continuing prompt_ids; stop before any EOS id and at the
     context limit. cache: the list from an earlier call, to continue after the tokens it holds."""
     cache = cache if cache is not None else [None] * N_LAYERS          # one (keys, values) per layer
     start = cache_len(cache)                                           # tokens already cached
-
-    def step(ids, pos):                                                # ids at pos.. -> next token
-        return sample(forward(ids, cache, pos)[-1], temperature, top_p)  # () lazy: nothing ran yet
-
-    # Prefill. Only the last prompt token's logits are needed: the others just fill the cache,
-    # in chunks of 512 (bounded memory). MLX computes only what mx.eval asks for, so their
-    # logits (and the last layer's feed-forward) are never computed.
-    *head, last = prompt_ids
-    for i in range(0, len(head), 512):
-        forward(head[i:i + 512], cache, start + i)
-        mx.eval(cache)
-    token = step([last], start + len(head))                            # () the first new token
+    token = sample(prefill(prompt_ids, cache, start), temperature, top_p)  # () lazy: nothing ran
     end = min(start + len(prompt_ids) + max_tokens, MAX_POS)           # never past the context
     for pos in range(start + len(prompt_ids), end):
         upcoming = None
         if pos + 1 < end:  # queue the next step before waiting for this token: the device
-            upcoming = step(token[None], pos)                          # computes it while Python
-            mx.async_eval(upcoming)                                    # checks and prints this one
+            logits = forward(token[None], cache, pos)[-1]              # computes it while Python
+            upcoming = sample(logits, temperature, top_p)              # checks and prints this one
+            mx.async_eval(upcoming)                                    # (async_eval returns at once)
         if (token_id := token.item()) in EOS_IDS:                      # .item() waits for the value
             return
         yield token_id
@@ -263,7 +264,7 @@ def reuse_cache(cache, cached_ids, prompt_ids):
 
 def top_next_tokens(prompt_ids, k):
     """The k likeliest next tokens after prompt_ids: [(id, probability)], softmax at temperature 1."""
-    probs = mx.softmax(forward(prompt_ids, [None] * N_LAYERS, 0)[-1].astype(mx.float32))  # (vocab,)
+    probs = mx.softmax(prefill(prompt_ids, [None] * N_LAYERS).astype(mx.float32))  # (vocab,)
     top = mx.argsort(-probs)[:k]                                       # (k,) likeliest first
     return list(zip(top.tolist(), probs[top].tolist()))
 
