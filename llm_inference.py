@@ -2,12 +2,14 @@
 
 Read it top to bottom; it follows the data: text -> token ids -> embeddings -> N transformer
 blocks (RMSNorm, attention with RoPE and a KV cache, SwiGLU feed-forward) -> logits -> next token.
+The model is sections 0-8 and ends with generate(); section 9 is what serves it (file checks,
+the first-run download, chat, the command line: `python llm_inference.py --help`).
 One sequence, no batch dimension; shape comments use Qwen3-0.6B's sizes (hidden 1024, 16 query
 heads, 8 KV heads, head_dim 128, vocab 151936; S = tokens so far, L = tokens in this call).
 MLX is lazy: each mx.* call only records a graph; work happens when a value is needed
-(mx.eval, .item(), print). `python llm_inference.py --help` lists the flags.
+(mx.eval, .item(), print).
 """
-import argparse, json, math, os, re, signal, sys, threading, time  # noqa: E401 (standard library)
+import argparse, json, math, os, re, signal, sys, time  # noqa: E401 (standard library)
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,45 +29,13 @@ THETA = 0.0      # 1e6    rope_theta: base of RoPE's rotation frequencies
 MAX_POS = 0      # 40960  max_position_embeddings: the longest context
 EOS_IDS = set()  # {151645 <|im_end|>, 151643 <|endoftext|>}: generation stops on any of them
 
-def read_json(path):
-    try:
-        return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
-
-def missing_files(model_dir):
-    """The files load() needs that model_dir lacks: config.json, tokenizer.json and the weights
-    (every shard that model.safetensors.index.json names, else at least one *.safetensors)."""
-    index = model_dir / "model.safetensors.index.json"
-    weights = sorted(set(read_json(index)["weight_map"].values())) if index.is_file() else \
-        [] if any(model_dir.glob("*.safetensors")) else ["model.safetensors"]
-    return [f for f in ["config.json", "tokenizer.json", *weights] if not (model_dir / f).is_file()]
-
-def expected_shapes(cfg):
-    """Every tensor name the model uses -> the shape config.json predicts for it."""
-    d, f, v, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    layer = {"input_layernorm": (d,), "post_attention_layernorm": (d,), "self_attn.q_proj": (q, d),
-             "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
-             "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,), "mlp.gate_proj": (f, d),
-             "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
-    return {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d),
-            **{f"model.layers.{i}.{name}.weight": shape for i in range(cfg["num_hidden_layers"])
-               for name, shape in layer.items()}}
-
 def load(model_dir, dtype=None):
-    """Read config.json (+ generation_config.json), every *.safetensors file into W, tokenizer.json.
-    dtype: compute in this dtype (e.g. mx.float32) instead of the checkpoint's own."""
+    """config.json (+ generation_config.json) -> the constants above; every *.safetensors file
+    -> W; tokenizer.json -> TOK. dtype: compute in it (e.g. mx.float32), not the checkpoint's.
+    A missing or broken file raises an error that names it (see read() in section 9)."""
     global W, TOK, D, N_LAYERS, N_HEADS, N_KV, HEAD_DIM, EPS, THETA, MAX_POS, EOS_IDS
-    model_dir = Path(model_dir)
-    if missing := missing_files(model_dir):
-        raise FileNotFoundError(f"{model_dir} lacks {', '.join(missing)}")
-    cfg = read_json(model_dir / "config.json")
-    if cfg.get("model_type") != "qwen3":
-        raise ValueError(f"{model_dir / 'config.json'} describes model_type {cfg.get('model_type')!r};"
-                         " this script runs dense Qwen3 models ('qwen3') only")
-    gen_file = model_dir / "generation_config.json"
-    gen = read_json(gen_file) if gen_file.is_file() else {}
+    folder = Path(model_dir)
+    cfg, gen = read_configs(folder)  # config.json, and generation_config.json or {}
     D, N_LAYERS = cfg["hidden_size"], cfg["num_hidden_layers"]
     N_HEADS, N_KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     HEAD_DIM = cfg.setdefault("head_dim", D // N_HEADS)  # Qwen3 configs give it: 128, not 64
@@ -74,21 +44,14 @@ def load(model_dir, dtype=None):
     eos = [cfg.get("eos_token_id"), gen.get("eos_token_id")]          # each an int, a list or None
     EOS_IDS = {i for e in eos for i in (e if isinstance(e, list) else [e]) if i is not None}
     W = {}
-    for f in sorted(model_dir.glob("*.safetensors")):  # one file, or model-0000i-of-0000N shards
-        try:
-            W.update({k: w.astype(dtype or w.dtype) for k, w in mx.load(str(f)).items()})  # lazy
-        except RuntimeError as e:  # mx.load checks the header at once; tensors are read on use
-            raise ValueError(f"{f} is not a complete safetensors file ({e})") from None
+    for f in sorted(folder.glob("*.safetensors")) or [folder / "model.safetensors"]:  # or shards
+        tensors = read(f, mx.load, "a complete safetensors file")  # lazy: maps, reads on use
+        W.update({name: w.astype(dtype or w.dtype) for name, w in tensors.items()})
     if cfg.get("tie_word_embeddings") or "lm_head.weight" not in W:
         W["lm_head.weight"] = W.get("model.embed_tokens.weight")  # tied: one matrix reads and writes
-    shapes = expected_shapes(cfg)
-    for name, shape in shapes.items():
-        if W.get(name) is None or tuple(W[name].shape) != shape:
-            found = "is missing" if W.get(name) is None else f"has shape {tuple(W[name].shape)}"
-            raise ValueError(f"tensor {name} {found} in {model_dir}; expected shape {shape}")
-    W = {name: W[name] for name in shapes}  # drops what the model never uses (a tied head's copy)
+    W = checked_shapes(W, cfg, folder)  # only the tensors the model uses, each of the right shape
     mx.eval(W)  # read every weight now, so that generation times only generation
-    TOK = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    TOK = read(folder / "tokenizer.json", Tokenizer.from_file, "a tokenizer that `tokenizers` reads")
     return cfg
 
 
@@ -232,6 +195,46 @@ def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None)
         yield token_id
         token = upcoming
 
+
+# ═══ 9. Around the model, which ends above: the files checked, the download, chat, command line ═══
+HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
+FILES = "config.json generation_config.json tokenizer.json tokenizer_config.json model.safetensors"
+
+def read(path, parse=lambda name: json.loads(Path(name).read_text()), what="valid JSON"):
+    """parse(path), by default as JSON. A missing or broken file raises one error that names it."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{Path(path).parent} lacks {Path(path).name}. Get the model: "
+                                f"hf download {REPO} {FILES} --local-dir {Path(path).parent}")
+    try:
+        return parse(str(path))
+    except Exception as e:
+        raise ValueError(f"{path} is not {what} ({e})") from None
+
+def read_configs(folder):
+    """config.json, which must describe a dense Qwen3; generation_config.json ({} if absent)."""
+    cfg, gen_file = read(folder / "config.json"), folder / "generation_config.json"
+    if cfg.get("model_type") != "qwen3":
+        raise ValueError(f"{folder / 'config.json'} describes model_type {cfg.get('model_type')!r};"
+                         " this script runs dense Qwen3 models ('qwen3') only")
+    return cfg, read(gen_file) if gen_file.is_file() else {}
+
+def checked_shapes(weights, cfg, folder):
+    """weights, only the tensors the model uses, each of the shape config.json predicts; one
+    missing or of another shape raises an error that names it."""
+    d, f, v, hd = D, cfg["intermediate_size"], cfg["vocab_size"], HEAD_DIM
+    q, kv = N_HEADS * hd, N_KV * hd
+    layer = {"input_layernorm": (d,), "post_attention_layernorm": (d,), "self_attn.q_proj": (q, d),
+             "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
+             "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,), "mlp.gate_proj": (f, d),
+             "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
+    shapes |= {f"model.layers.{i}.{n}.weight": s for i in range(N_LAYERS) for n, s in layer.items()}
+    for name, shape in shapes.items():
+        found = "is missing" if weights.get(name) is None else f"has shape {weights[name].shape}"
+        if weights.get(name) is None or weights[name].shape != shape:
+            raise ValueError(f"tensor {name} {found} in {folder}; expected shape {shape}")
+    return {name: weights[name] for name in shapes}  # drops what is never used (a tied head's copy)
+
 def stream_text(token_ids):
     """Yield (token id, the text it adds). A character split over several byte-level tokens
     (emoji, CJK) comes out whole once its last byte arrives: no broken UTF-8 is ever printed
@@ -240,8 +243,6 @@ def stream_text(token_ids):
     for token in token_ids:
         yield token, stream.step(TOK, token) or ""
 
-
-# ═══ 9. Chat — Qwen3's chat template, written out; the KV cache kept from turn to turn ═══
 def chat_prompt(turns, system=None, think=True):
     """turns: [user, assistant, user, ...] texts, the user's last -> Qwen3's chat prompt.
     Earlier answers lose their <think>...</think> part, as Qwen3's own template drops it."""
@@ -268,33 +269,26 @@ def top_next_tokens(prompt_ids, k):
     top = mx.argsort(-probs)[:k]                                       # (k,) likeliest first
     return list(zip(top.tolist(), probs[top].tolist()))
 
-
-# ═══ 10. Command line — flags named as in mlx_lm.generate ═══
-HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
-FILES = "config.json generation_config.json tokenizer.json model.safetensors"  # what REPO needs
-
 def model_folder(model):
-    """--model -> a folder with the model. A local folder is used as it is; the default folder
-    while it lacks files, and a Hugging Face repo id (Qwen/Qwen3-1.7B), are downloaded first."""
+    """--model -> a folder. A local folder is used as it is; the default folder while it lacks
+    files, and a Hugging Face repo id (Qwen/Qwen3-1.7B), are downloaded first."""
     path = Path(model).resolve()
     is_repo = not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", model)
-    if not is_repo and (path != HERE / "Qwen3-0.6B" or not missing_files(path)):
-        return path  # a local folder: never downloaded; load() names anything it lacks
+    if not is_repo and (path != HERE / "Qwen3-0.6B" or all((path / f).exists() for f in FILES.split())):
+        return path  # a local folder: never downloaded; load() names any file it lacks
     repo, files = (model, '--include "*.json" "*.safetensors"') if is_repo else (REPO, FILES)
     os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # our one line says what went wrong
     from huggingface_hub import snapshot_download     # installed with tokenizers
-    try:  # a file appears only once complete: a broken-off download is resumed, never used
-        folder = Path(snapshot_download(repo, local_dir=None if is_repo else path, allow_patterns=[
-            "config.json", "generation_config.json", "tokenizer.json", "*.safetensors*"]))
-        if missing := missing_files(folder):
-            raise ConnectionError(f"the Hub was not reached; still no {', '.join(missing)}")
-        return folder
+    try:  # huggingface_hub fetches what is missing; offline, it returns the folder as it is
+        return Path(snapshot_download(repo, local_dir=None if is_repo else path,
+                                      allow_patterns=[*FILES.split(), "*.safetensors*"]))
     except Exception as e:
         sys.exit(f"error: could not download {repo} ({type(e).__name__}: {str(e).splitlines()[0]})."
                  f" Download it by hand: hf download {repo} {files} --local-dir"
                  f" {path.name if is_repo else path}")
 
 def parse_args(argv):
+    """The flags, named as in mlx_lm.generate; every value is checked here, before any work."""
     ap = argparse.ArgumentParser(description="Qwen3 text generation from scratch with MLX.")
     ap.add_argument("--model", default=str(HERE / "Qwen3-0.6B"), help="folder or Hugging Face repo")
     ap.add_argument("--prompt", "-p", help='default: "The capital of France is"; "-" reads stdin')
@@ -309,35 +303,19 @@ def parse_args(argv):
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: weights'")
     ap.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage
     args = ap.parse_args(argv)
-    args.prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    args.prompt = sys.stdin.buffer.read().decode() if args.prompt == "-" else args.prompt
     for wrong, message in [(args.prompt == "", "the prompt is empty"),
                            (args.max_tokens < 1, "--max-tokens must be at least 1"),
                            (not args.temperature >= 0, "--temperature must be 0 or more"),
                            (not 0 < args.top_p <= 1, "--top-p must be more than 0 and at most 1"),
-                           (args.show_probs < 0, "--show-probs must be 0 or more")]:
+                           (args.show_probs < 0, "--show-probs must be 0 or more"),
+                           (not 0 <= (args.seed or 0) < 2**64, "--seed must be from 0 to 2**64 - 1")]:
         if wrong:
             ap.error(message)
     return args
 
-ON_CTRL_C, OUTPUT = [], threading.Lock()  # what to print on Ctrl-C; held while printing
-
-def exit_on_ctrl_c():
-    """Ctrl-C stops at once, even inside a long computation (Python's KeyboardInterrupt would wait
-    for it to end): SIGINT is blocked in every thread but one, which waits for it, takes the
-    output, prints the stats so far and exits with status 130. What was printed stays on screen."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # threads started later inherit it
-
-    def wait():
-        signal.sigwait({signal.SIGINT})
-        OUTPUT.acquire()
-        for report in ON_CTRL_C:
-            report()
-        os._exit(130)
-
-    threading.Thread(target=wait, daemon=True).start()
-
 def run(prompt_ids, args, cache=None, echo=""):
-    """Check the length, show the likeliest next tokens (--show-probs), generate and print the
+    """Show the likeliest next tokens (--show-probs, without a cache), generate and print the
     text as it comes (after echo), then the stats as mlx_lm.generate does. Returns the new ids."""
     used = cache_len(cache) + len(prompt_ids)
     if used >= MAX_POS:
@@ -348,61 +326,44 @@ def run(prompt_ids, args, cache=None, echo=""):
         for token, p in top_next_tokens(prompt_ids, args.show_probs):
             print(f"{TOK.decode([token])!r:>24} {p:.4g}")
     print("=" * 10 + "\n" + echo, end="", flush=True)
-    generated, times = [], [time.perf_counter()]  # times: start, first token
-
-    def stats():
-        n, end = len(generated), time.perf_counter()
-        first = times[1] if n else end
-        print(f"\n{'=' * 10}\nPrompt: {len(prompt_ids)} tokens, "
-              f"{len(prompt_ids) / max(first - times[0], 1e-9):.3f} tokens-per-sec\n"
-              f"Generation: {n} tokens, {max(n - 1, 0) / max(end - first, 1e-9):.3f} tokens-per-sec\n"
-              f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB", flush=True)
-
-    ON_CTRL_C[:] = [stats]
+    generated, tic, first = [], time.perf_counter(), None
     tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache)
     for token, piece in stream_text(tokens):
-        times[1:] = times[1:] or [time.perf_counter()]  # token 1 ends the prefill
-        with OUTPUT:  # a piece on screen is a token counted
-            generated.append(token)
-            print(piece, end="", flush=True)
-    stats()
-    ON_CTRL_C.clear()  # Ctrl-C at the chat prompt just ends the program
+        first = first or time.perf_counter()  # the first token ends the prefill
+        generated.append(token)
+        print(piece, end="", flush=True)
+    n, end = len(generated), time.perf_counter()
+    first = first or end
+    print(f"\n{'=' * 10}\nPrompt: {len(prompt_ids)} tokens, "
+          f"{len(prompt_ids) / (first - tic):.3f} tokens-per-sec")
+    print(f"Generation: {n} tokens, {max(n - 1, 0) / max(end - first, 1e-9):.3f} tokens-per-sec")
+    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB", flush=True)
     return generated
-
-def read_turn():
-    """The next line of the conversation ("" at the end of input)."""
-    try:
-        return input("\n> " if sys.stdin.isatty() else "")
-    except EOFError:
-        return ""
 
 def main(argv=None):
     args = parse_args(argv)
-    exit_on_ctrl_c()
     if args.seed is not None:
         mx.random.seed(args.seed)
     folder = model_folder(args.model)
     try:
-        load(folder, getattr(mx, args.dtype) if args.dtype else None)
-    except FileNotFoundError as e:
-        sys.exit(f"error: {e}. Get the model: hf download {REPO} {FILES} --local-dir {folder}")
-    except KeyError as e:
+        load(folder, args.dtype and getattr(mx, args.dtype))
+    except KeyError as e:  # an entry load() reads that config.json lacks
         sys.exit(f"error: {folder / 'config.json'} has no {e} entry")
-    except Exception as e:  # a broken file: one line that names it, no traceback
-        sys.exit(f"error: {e}")
     n_params = sum(w.size for w in {id(w): w for w in W.values()}.values())  # a tied head once
     print(f"Qwen3 from {folder}: {N_LAYERS} layers, hidden {D}, {N_HEADS} query / {N_KV} KV heads"
           f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {W['model.norm.weight'].dtype}")
-    system, think = args.system, not args.no_think
     if not args.chat or args.prompt is not None:  # one prompt, one completion
-        text = "The capital of France is" if args.prompt is None else args.prompt
-        prompt_ids = TOK.encode(chat_prompt([text], system, think) if args.chat else text).ids
+        text = args.prompt or "The capital of France is"
+        chat = chat_prompt([text], args.system, not args.no_think)
+        prompt_ids = TOK.encode(chat if args.chat else text).ids
         run(prompt_ids, args, echo="" if args.chat else text)
         return
     turns, cache, cached_ids = [], [None] * N_LAYERS, []  # a conversation: one turn per line
-    while line := read_turn():
+    for line in sys.stdin.buffer:  # until an empty line or the end of the input
+        if not (line := line.decode().rstrip("\r\n")):
+            return
         turns.append(line)
-        prompt_ids = TOK.encode(chat_prompt(turns, system, think)).ids
+        prompt_ids = TOK.encode(chat_prompt(turns, args.system, not args.no_think)).ids
         reused = reuse_cache(cache, cached_ids, prompt_ids)
         print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
         generated = run(prompt_ids[reused:], args, cache)
@@ -411,4 +372,11 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends it quietly, as it ends `cat`
+    try:
+        main()
+    except UnicodeDecodeError as e:  # the only text not read through read(): standard input
+        sys.exit(f"error: standard input is not UTF-8 text ({e.reason} at byte {e.start})")
+    except (OSError, ValueError) as e:  # a missing or broken file, named in e
+        sys.exit(f"error: {e}")
