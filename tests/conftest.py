@@ -33,6 +33,20 @@ TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_atte
             num_key_value_heads=2, head_dim=32, vocab_size=640, max_position_embeddings=2048)
 
 
+# tokenizer_config.json's chat template, written here (not Qwen's file) by Qwen3's rules for what
+# chat_prompt() covers: system, user and assistant turns; an earlier answer keeps only what follows
+# its </think>; enable_thinking=False adds an empty think block. The real file's template is
+# checked by tests/test_real_weights.py against a downloaded checkpoint.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{%- set content = message.content %}"
+    "{%- if message.role == 'assistant' and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
 def build_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -46,10 +60,14 @@ def build_tokenizer():
 
 
 def write_checkpoint(folder, tokenizer, dtype="float32", lm_head="untied", rope="flat", shards=1,
-                     seed=0, eos_extra=None, **overrides):
+                     seed=0, eos_extra=None, init="unit", **overrides):
     """Write a random-weight Qwen3 checkpoint into folder and return it.
     lm_head: "untied" (own lm_head.weight), "tied" (tie_word_embeddings, no lm_head.weight),
-    "tied_stored" (tie_word_embeddings with a copy stored, as the released Qwen3-0.6B file)."""
+    "tied_stored" (tie_word_embeddings with a copy stored, as the released Qwen3-0.6B file).
+    init: "unit" scales every matrix so that activations are of order 1 (logits spread widely,
+    so greedy choices are clear-cut); "realistic" draws embeddings and projections with standard
+    deviation 0.02, as Qwen3's initializer_range and its trained weights have: activations are
+    small, and rms_norm's eps (1e-6 against a mean square of ~4e-4) changes the numbers."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     c = dict(TINY, **overrides)
@@ -58,13 +76,14 @@ def write_checkpoint(folder, tokenizer, dtype="float32", lm_head="untied", rope=
     rng = np.random.default_rng(seed)
     to_mx = lambda a: mx.array(a.astype(np.float32)).astype(getattr(mx, dtype))  # noqa: E731
 
-    def mat(rows, cols, gain=1.0):  # std gain/sqrt(fan_in): activations stay O(1)
-        return to_mx(rng.normal(0, gain / np.sqrt(cols), (rows, cols)))
+    def mat(rows, cols, gain=1.0):  # "unit": std gain/sqrt(fan_in), activations stay O(1)
+        return to_mx(rng.normal(0, 0.02 if init == "realistic" else gain / np.sqrt(cols), (rows, cols)))
 
     def norm(n):  # norm weights near 1, not all equal, so a wrong norm shows
         return to_mx(1.0 + 0.2 * rng.normal(size=n))
 
-    arrays = {"model.embed_tokens.weight": to_mx(rng.normal(0, 1.0, (v, d))), "model.norm.weight": norm(d)}
+    embed_std = 0.02 if init == "realistic" else 1.0
+    arrays = {"model.embed_tokens.weight": to_mx(rng.normal(0, embed_std, (v, d))), "model.norm.weight": norm(d)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         arrays.update({
@@ -76,7 +95,8 @@ def write_checkpoint(folder, tokenizer, dtype="float32", lm_head="untied", rope=
             p + "mlp.down_proj.weight": mat(d, f)})
     if lm_head == "untied":
         scale = np.where(np.arange(v) < tokenizer.get_vocab_size(), 1.0, 0.3)[:, None]  # padding rows:
-        arrays["lm_head.weight"] = to_mx(rng.normal(0, 4.0 / np.sqrt(d), (v, d)) * scale)  # rarely chosen
+        head_std = 0.02 if init == "realistic" else 4.0 / np.sqrt(d)
+        arrays["lm_head.weight"] = to_mx(rng.normal(0, head_std, (v, d)) * scale)  # rarely chosen
     elif lm_head == "tied_stored":
         arrays["lm_head.weight"] = arrays["model.embed_tokens.weight"]
     names = sorted(arrays)
@@ -108,6 +128,10 @@ def write_checkpoint(folder, tokenizer, dtype="float32", lm_head="untied", rope=
         {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": gen_eos, "do_sample": True,
          "temperature": 0.6, "top_k": 20, "top_p": 0.95}, indent=2))
     tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "Qwen2Tokenizer", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
+         "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": c["max_position_embeddings"],
+         "clean_up_tokenization_spaces": False, "split_special_tokens": False}, indent=2))
     return folder
 
 
@@ -128,3 +152,9 @@ def checkpoint(tmp_path_factory, tokenizer):
         return made[key]
 
     return make
+
+
+def pytest_configure(config):
+    """Show every skip's reason in the summary: the real-weights tests say how to enable them."""
+    if "s" not in config.option.reportchars:
+        config.option.reportchars += "s"
