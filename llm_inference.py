@@ -84,11 +84,12 @@ def apply_rope(q, k, positions):
 
 
 # ═══ 3. Grouped-query attention — every token asks, earlier tokens answer; 2 askers share a key ═══
-def attention(x, layer_idx, cache, positions):
-    """x: (L, D), positions: (L,) absolute positions -> (L, D).
-    cache[layer_idx] is None or (keys, values) of the earlier tokens; this call appends L more."""
+def attention(x, layer_idx, cache, start):
+    """x: (L, D), the tokens at positions start.. -> (L, D). cache[layer_idx]: None, or buffers
+    (keys, values) whose first `start` positions hold the earlier tokens; this call writes L more."""
     p = f"model.layers.{layer_idx}.self_attn."
-    L = x.shape[0]
+    L, end = x.shape[0], start + x.shape[0]
+    positions = mx.arange(start, end)                                  # (L,)
     q = (x @ W[p + "q_proj.weight"].T).reshape(L, N_HEADS, HEAD_DIM)   # (L, 16, 128)
     k = (x @ W[p + "k_proj.weight"].T).reshape(L, N_KV, HEAD_DIM)      # (L, 8, 128)
     v = (x @ W[p + "v_proj.weight"].T).reshape(L, N_KV, HEAD_DIM)      # (L, 8, 128)
@@ -97,16 +98,21 @@ def attention(x, layer_idx, cache, positions):
     k = rms_norm(k, W[p + "k_norm.weight"]).transpose(1, 0, 2)         # (8, L, 128)
     v = v.transpose(1, 0, 2)                                           # (8, L, 128)
     q, k = apply_rope(q, k, positions)                                 # (16, L, 128), (8, L, 128)
-    if cache[layer_idx] is not None:                                   # prepend the earlier tokens
-        k = mx.concatenate([cache[layer_idx][0], k], axis=1)           # (8, S, 128), S = start + L
-        v = mx.concatenate([cache[layer_idx][1], v], axis=1)           # (8, S, 128)
-    cache[layer_idx] = (k, v)
+    # KV cache: buffers that grow 256 positions at a time; each token's key and value are
+    # written in place, so a step never copies what is cached (concatenating would).
+    keys, values = cache[layer_idx] or (k[:, :0], v[:, :0])           # (8, room, 128)
+    if keys.shape[1] < end:                                            # full: make room for more
+        more = mx.zeros((N_KV, (end + 255) // 256 * 256 - keys.shape[1], HEAD_DIM), k.dtype)
+        keys, values = mx.concatenate([keys, more], 1), mx.concatenate([values, more], 1)
+    keys[:, start:end], values[:, start:end] = k, v                    # write positions start..end-1
+    cache[layer_idx] = (keys, values)
+    k, v = keys[:, :end], values[:, :end]                              # (8, S, 128), S = end
     # GQA without copying K and V: view the 16 query heads as 8 groups of 2; a group shares a head.
     q = q.reshape(N_KV, N_HEADS // N_KV, L, HEAD_DIM)                  # (8, 2, L, 128)
     scores = q @ k[:, None].swapaxes(-1, -2)                           # (8, 2, L, S)
     scores = scores.astype(mx.float32) / math.sqrt(HEAD_DIM)           # (8, 2, L, S) float32 softmax
     # Causal mask, right with a cache: the query at position p may see keys at positions 0..p.
-    visible = mx.arange(k.shape[1])[None, :] <= positions[:, None]     # (L, S) bool
+    visible = mx.arange(end)[None, :] <= positions[:, None]            # (L, S) bool
     scores = mx.where(visible, scores, -mx.inf)                        # (8, 2, L, S)
     weights = mx.softmax(scores, axis=-1).astype(v.dtype)              # (8, 2, L, S)
     out = weights @ v[:, None]                                         # (8, 2, L, 128)
@@ -124,21 +130,20 @@ def ffn(x, layer_idx):
 
 
 # ═══ 5. Transformer block — normalise, attend, add; normalise, think, add ═══
-def transformer_block(x, layer_idx, cache, positions):
+def transformer_block(x, layer_idx, cache, start):
     """x: (L, D) -> (L, D). Pre-norm with two residual connections."""
     p = f"model.layers.{layer_idx}."
-    x = x + attention(rms_norm(x, W[p + "input_layernorm.weight"]), layer_idx, cache, positions)
+    x = x + attention(rms_norm(x, W[p + "input_layernorm.weight"]), layer_idx, cache, start)
     return x + ffn(rms_norm(x, W[p + "post_attention_layernorm.weight"]), layer_idx)  # (L, 1024)
 
 
 # ═══ 6. Forward — ids in, one score per vocabulary entry out, for every position ═══
 def forward(token_ids, cache, start_pos):
     """token_ids: L ids (ints or an int array) at positions start_pos.. -> logits (L, vocab).
-    cache: one entry per layer ([None] * N_LAYERS to start), extended in place."""
-    positions = mx.arange(start_pos, start_pos + len(token_ids))       # (L,)
+    cache: one entry per layer ([None] * N_LAYERS to start); positions start_pos.. are written."""
     x = W["model.embed_tokens.weight"][mx.array(token_ids)]            # (L, 1024)
     for i in range(N_LAYERS):
-        x = transformer_block(x, i, cache, positions)                  # (L, 1024)
+        x = transformer_block(x, i, cache, start_pos)                  # (L, 1024)
     x = rms_norm(x, W["model.norm.weight"])                            # (L, 1024)
     return x @ W["lm_head.weight"].T                                   # (L, 151936)
 
@@ -162,10 +167,6 @@ def sample(logits, temperature=0.0, top_p=1.0):
 
 
 # ═══ 8. Generate — read the prompt once, then write one token at a time ═══
-def cache_len(cache):
-    """How many tokens a KV cache (None, or one (keys, values) per layer) holds."""
-    return 0 if cache is None or cache[0] is None else cache[0][0].shape[1]
-
 def prefill(prompt_ids, cache, start=0):
     """Run the prompt through the model at positions start..; -> logits (vocab,) of its last
     token, lazy. The other tokens only fill the cache, in chunks of 512 (bounded memory); MLX
@@ -177,11 +178,11 @@ def prefill(prompt_ids, cache, start=0):
         mx.eval(cache)
     return forward([last], cache, start + len(head))[-1]              # (vocab,)
 
-def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None):
+def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None, start=0):
     """Yield up to max_tokens ids (ints) continuing prompt_ids; stop before any EOS id and at the
-    context limit. cache: the list from an earlier call, to continue after the tokens it holds."""
+    context limit. cache, start: an earlier call's cache and how many of its positions to keep
+    (the prompt goes in from position start; what was cached after it is written over)."""
     cache = cache if cache is not None else [None] * N_LAYERS          # one (keys, values) per layer
-    start = cache_len(cache)                                           # tokens already cached
     token = sample(prefill(prompt_ids, cache, start), temperature, top_p)  # () lazy: nothing ran
     end = min(start + len(prompt_ids) + max_tokens, MAX_POS)           # never past the context
     for pos in range(start + len(prompt_ids), end):
@@ -253,14 +254,13 @@ def chat_prompt(turns, system=None, think=True):
         text += f"<|im_start|>{('user', 'assistant')[i % 2]}\n{turn}<|im_end|>\n"
     return text + "<|im_start|>assistant\n" + ("" if think else "<think>\n\n</think>\n\n")
 
-def reuse_cache(cache, cached_ids, prompt_ids):
-    """Cut the cache back to the longest common prefix of the ids it holds and the new prompt,
-    leaving at least one prompt token to compute (its logits give the reply's first token).
-    Returns how many tokens were kept."""
+def reusable(cached_ids, prompt_ids):
+    """How many cached positions a new prompt keeps: the longest common prefix of the ids in the
+    cache and the prompt, leaving one prompt token at least to compute (its logits give the
+    reply's first token). Nothing is copied: generate(start=n) writes over what follows."""
     n = 0
     while n < min(len(cached_ids), len(prompt_ids) - 1) and cached_ids[n] == prompt_ids[n]:
         n += 1
-    cache[:] = [None if c is None else (c[0][:, :n], c[1][:, :n]) for c in cache]
     return n
 
 def top_next_tokens(prompt_ids, k):
@@ -314,10 +314,10 @@ def parse_args(argv):
             ap.error(message)
     return args
 
-def run(prompt_ids, args, cache=None, echo=""):
+def run(prompt_ids, args, cache=None, start=0, echo=""):
     """Show the likeliest next tokens (--show-probs, without a cache), generate and print the
     text as it comes (after echo), then the stats as mlx_lm.generate does. Returns the new ids."""
-    used = cache_len(cache) + len(prompt_ids)
+    used = start + len(prompt_ids)
     if used >= MAX_POS:
         sys.exit(f"error: the prompt is {used} tokens; the context holds {MAX_POS}")
     if used + args.max_tokens > MAX_POS:
@@ -327,7 +327,7 @@ def run(prompt_ids, args, cache=None, echo=""):
             print(f"{TOK.decode([token])!r:>24} {p:.4g}")
     print("=" * 10 + "\n" + echo, end="", flush=True)
     generated, tic, first = [], time.perf_counter(), None
-    tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache)
+    tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache, start)
     for token, piece in stream_text(tokens):
         first = first or time.perf_counter()  # the first token ends the prefill
         generated.append(token)
@@ -364,11 +364,11 @@ def main(argv=None):
             return
         turns.append(line)
         prompt_ids = TOK.encode(chat_prompt(turns, args.system, not args.no_think)).ids
-        reused = reuse_cache(cache, cached_ids, prompt_ids)
+        reused = reusable(cached_ids, prompt_ids)
         print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
-        generated = run(prompt_ids[reused:], args, cache)
+        generated = run(prompt_ids[reused:], args, cache, reused)
         turns.append(TOK.decode(generated))
-        cached_ids = (prompt_ids + generated)[:cache_len(cache)]  # what the cache now holds
+        cached_ids = prompt_ids + generated[:-1]  # all in the cache (the last token maybe not)
 
 
 if __name__ == "__main__":

@@ -67,12 +67,13 @@ def test_generation_stops_at_im_end(checkpoint, tokenizer):
 
 def test_reused_cache_equals_fresh_forward(checkpoint, tokenizer):
     """Turn 2 computes only its new tokens on top of turn 1's cache; where the template drops
-    turn 1's thinking, the cache is cut back to the common prefix. Logits equal a fresh forward."""
+    turn 1's thinking, the cache is cut back to the common prefix: turn 2 writes over what
+    follows it. Logits equal a fresh forward."""
     li.load(checkpoint())
     cache = [None] * li.N_LAYERS
     ids1 = tokenizer.encode(li.chat_prompt(["Hello there"])).ids
     reply = list(li.generate(ids1, max_tokens=10, cache=cache))
-    cached = (ids1 + reply)[:cache[0][0].shape[1]]
+    cached = ids1 + reply[:-1]  # what main() says the cache holds
     ids2 = tokenizer.encode(li.chat_prompt(["Hello there", tokenizer.decode(reply), "And Japan?"])).ids
     for cached_ids, prompt_ids in [(cached, ids2), (None, None)]:
         if cached_ids is None:  # a reply with thinking, which the next prompt leaves out
@@ -82,13 +83,30 @@ def test_reused_cache_equals_fresh_forward(checkpoint, tokenizer):
             cached_ids = ids1 + thought
             prompt_ids = tokenizer.encode(li.chat_prompt(["Hello there", "<think>\nhmm\n</think>\n\nParis.",
                                                           "And Japan?"])).ids
-        n = li.reuse_cache(cache, cached_ids, prompt_ids)
-        assert 0 < n < len(prompt_ids)
-        assert prompt_ids[:n] == cached_ids[:n] and cache[0][0].shape[1] == n
+        n = li.reusable(cached_ids, prompt_ids)
+        assert 0 < n < len(prompt_ids) and n < len(cached_ids)  # a real cut: stale positions follow
+        assert prompt_ids[:n] == cached_ids[:n] and prompt_ids[n] != cached_ids[n]
         ours = li.forward(prompt_ids[n:], cache, n)
         fresh = li.forward(prompt_ids, [None] * li.N_LAYERS, 0)[n:]
         assert rel_err(ours, fresh) < 1e-5
     assert n == len(ids1)  # thinking dropped: reuse stops right after "<|im_start|>assistant\n"
+
+
+def test_chat_turn_after_a_cut_across_a_buffer_boundary(checkpoint, tokenizer):
+    """Turn 1 fills the cache past 256 positions (the buffer grew); turn 2 keeps fewer than 256
+    of them and writes its own tokens over the stale ones, on both sides of the boundary."""
+    li.load(checkpoint())
+    long_question = "The capital of France is Paris. " * 40
+    ids1 = tokenizer.encode(li.chat_prompt([long_question])).ids
+    cache = [None] * li.N_LAYERS
+    reply = list(li.generate(ids1, max_tokens=4, cache=cache))
+    assert len(ids1) > 256 and cache[0][0].shape[1] == 512
+    cached = ids1 + reply[:-1]
+    ids2 = tokenizer.encode(li.chat_prompt(["The capital of Japan is Tokyo. " * 40])).ids
+    n = li.reusable(cached, ids2)
+    assert 0 < n < 256 < len(ids2)
+    ours = list(li.generate(ids2[n:], max_tokens=8, cache=cache, start=n))
+    assert ours == list(li.generate(ids2, max_tokens=8))
 
 
 def test_two_turn_conversation_over_stdin(checkpoint, tokenizer):

@@ -92,7 +92,23 @@ def test_decode_steps_with_cache_equal_full_forward(checkpoint, tokenizer):
     for pos in range(5, len(ids)):                                    # then one token at a time
         rows.append(li.forward([ids[pos]], cache, pos))
     assert rel_err(mx.concatenate(rows), full) < 1e-5
-    assert cache[0][0].shape == (li.N_KV, len(ids), li.HEAD_DIM)
+    assert cache[0][0].shape == (li.N_KV, 256, li.HEAD_DIM)  # a buffer: room for 256 positions
+
+
+@pytest.mark.parametrize("steps", [[255, 1, 1], [256, 1, 1], [257, 1], [250, 12, 1], [3, 300, 2, 1],
+                                   [512, 1], [100, 100, 100, 100, 113]])
+def test_cache_across_buffer_growth_equals_full_forward(checkpoint, tokenizer, steps):
+    """The cache grows 256 positions at a time: one token before, at and after a boundary,
+    chunks that cross one (or two), and a chunk that fills it exactly all equal a full forward."""
+    li.load(checkpoint())
+    ids = (tokenizer.encode(TEXT * 30).ids)[:sum(steps)]
+    full = li.forward(ids, [None] * li.N_LAYERS, 0)
+    cache, rows, pos = [None] * li.N_LAYERS, [], 0
+    for n in steps:
+        rows.append(li.forward(ids[pos:pos + n], cache, pos))
+        pos += n
+        assert cache[0][0].shape[1] == -(-pos // 256) * 256  # the room: whole blocks of 256
+    assert rel_err(mx.concatenate(rows), full) < 1e-5
 
 
 def test_chunk_on_nonempty_cache_equals_full_forward(checkpoint, tokenizer):
