@@ -104,7 +104,8 @@ def attention(x, layer_idx, cache, start):
     if keys.shape[1] < end:                                            # full: make room for more
         more = mx.zeros((N_KV, (end + 255) // 256 * 256 - keys.shape[1], HEAD_DIM), k.dtype)
         keys, values = mx.concatenate([keys, more], 1), mx.concatenate([values, more], 1)
-    keys[:, start:end], values[:, start:end] = k, v                    # write positions start..end-1
+    keys[:, start:end] = k                                             # write positions start..end-1
+    values[:, start:end] = v                                           # in place: no copy
     cache[layer_idx] = (keys, values)
     k, v = keys[:, :end], values[:, :end]                              # (8, S, 128), S = end
     # GQA without copying K and V: view the 16 query heads as 8 groups of 2; a group shares a head.
