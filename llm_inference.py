@@ -230,10 +230,11 @@ def checked_shapes(weights, cfg, folder):
              "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,), "mlp.gate_proj": (f, d),
              "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
-    shapes |= {f"model.layers.{i}.{n}.weight": s for i in range(N_LAYERS) for n, s in layer.items()}
+    shapes |= {f"model.layers.{i}.{name}.weight": shape
+               for i in range(N_LAYERS) for name, shape in layer.items()}
     for name, shape in shapes.items():
-        found = "is missing" if weights.get(name) is None else f"has shape {weights[name].shape}"
         if weights.get(name) is None or weights[name].shape != shape:
+            found = "is missing" if weights.get(name) is None else f"has shape {weights[name].shape}"
             raise ValueError(f"tensor {name} {found} in {folder}; expected shape {shape}")
     return {name: weights[name] for name in shapes}  # drops what is never used (a tied head's copy)
 
