@@ -204,9 +204,10 @@ FILES = "config.json generation_config.json tokenizer.json tokenizer_config.json
 
 def read(path, parse=lambda name: json.loads(Path(name).read_text()), what="valid JSON"):
     """parse(path), by default as JSON. A missing or broken file raises one error that names it."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{Path(path).parent} lacks {Path(path).name}. Get the model: "
-                                f"hf download {REPO} {FILES} --local-dir {Path(path).parent}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.parent} lacks {path.name}. Get the model: "
+                                f"hf download {REPO} {FILES} --local-dir {path.parent}")
     try:
         return parse(str(path))
     except Exception as e:
@@ -356,8 +357,8 @@ def main(argv=None):
           f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {W['model.norm.weight'].dtype}")
     if not args.chat or args.prompt is not None:  # one prompt, one completion
         text = args.prompt or "The capital of France is"
-        chat = chat_prompt([text], args.system, not args.no_think)
-        prompt_ids = TOK.encode(chat if args.chat else text).ids
+        prompt = chat_prompt([text], args.system, not args.no_think) if args.chat else text
+        prompt_ids = TOK.encode(prompt).ids
         run(prompt_ids, args, echo="" if args.chat else text)
         return
     turns, cache, cached_ids = [], [None] * N_LAYERS, []  # a conversation: one turn per line

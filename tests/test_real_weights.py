@@ -30,6 +30,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def ids():
+    """Loads the checkpoint once for the module (1.5 GB); nothing here loads another."""
     li.load(FOLDER)
     return li.TOK.encode(PROMPT).ids
 
@@ -38,7 +39,6 @@ def test_logits_equal_mlx_lm(ids):
     """The tolerance of the random-weight tests (test_model.py): in float32 a relative error
     under 1e-4; in bfloat16, ours no further from the exact answer (the same weights run in
     float32 by mlx-lm) than twice mlx-lm's own bfloat16 error, and the same likeliest tokens."""
-    li.load(FOLDER)
     ours = li.forward(ids, [None] * li.N_LAYERS, 0)                    # (L, vocab)
     ref = mlx_lm_logits(FOLDER, ids)
     assert ours.dtype == ref.dtype and ours.shape == ref.shape
@@ -56,7 +56,6 @@ def test_logits_equal_mlx_lm(ids):
 
 def test_greedy_ids_equal_mlx_lm(ids):
     ref = reference_greedy(FOLDER, ids, 20)
-    li.load(FOLDER)
     ours = list(li.generate(ids, max_tokens=20))
     if li.EOS_IDS & set(ref):
         ref = ref[:min(ref.index(e) for e in li.EOS_IDS if e in ref)]
@@ -99,7 +98,7 @@ def released_qwen3_06b(folder):
     return record.read_text().splitlines()[1].strip() == sha256.hexdigest()
 
 
-def test_paris_with_the_articles_probability():
+def test_paris_with_the_articles_probability(ids):
     """The article's demo: after "The capital of France is", the likeliest next token is " Paris"
     with probability 0.6582. Only the released weights can give it, so only they are asked.
     Tolerance 0.02: the article's figure comes from a bfloat16 run that rounds at other places
@@ -108,7 +107,6 @@ def test_paris_with_the_articles_probability():
     if not released_qwen3_06b(FOLDER):
         pytest.skip(f"{FOLDER} is not recognisably Qwen/Qwen3-0.6B's release as downloaded "
                     "from the Hub (config shapes, size, huggingface_hub's download record)")
-    li.load(FOLDER)
-    (token, p), *_ = li.top_next_tokens(li.TOK.encode(PROMPT).ids, 5)
+    (token, p), *_ = li.top_next_tokens(ids, 5)
     assert li.TOK.decode([token]) == " Paris"
     assert p == pytest.approx(0.6582, abs=0.02)
