@@ -2,14 +2,13 @@
 
 Read it top to bottom; it follows the data: text -> token ids -> embeddings -> N transformer
 blocks (RMSNorm, attention with RoPE and a KV cache, SwiGLU feed-forward) -> logits -> next token.
-The model is sections 0-8 and ends with generate(); section 9 is what serves it (file checks,
-the first-run download, chat, the command line: `python llm_inference.py --help`).
+The model is sections 0-8, up to generate(); section 9 serves it (checks, download, chat, CLI).
 One sequence, no batch dimension; shape comments use Qwen3-0.6B's sizes (hidden 1024, 16 query
 heads, 8 KV heads, head_dim 128, vocab 151936; S = tokens so far, L = tokens in this call).
-MLX is lazy: each mx.* call only records a graph; work happens when a value is needed
-(mx.eval, .item(), print).
+MLX is lazy: each mx.* call only records a graph; work happens when a value is needed (mx.eval).
 """
 import argparse, json, math, os, re, signal, sys, time  # noqa: E401 (standard library)
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,73 +30,80 @@ EOS_IDS = set()  # {151645 <|im_end|>, 151643 <|endoftext|>}: generation stops o
 
 def load(model_dir, dtype=None):
     """config.json (+ generation_config.json) -> the constants above; every *.safetensors file
-    -> W; tokenizer.json -> TOK. dtype: compute in it (e.g. mx.float32), not the checkpoint's.
-    A missing or broken file raises an error that names it (see read() in section 9)."""
+    -> W; tokenizer.json -> TOK; each file checked in section 9, which names what is wrong.
+    dtype: compute in it (e.g. mx.float32), not the checkpoint's."""
     global W, TOK, D, N_LAYERS, N_HEADS, N_KV, HEAD_DIM, EPS, THETA, MAX_POS, EOS_IDS
     folder = Path(model_dir)
-    cfg, gen = read_configs(folder)  # config.json, and generation_config.json or {}
-    D, N_LAYERS = cfg["hidden_size"], cfg["num_hidden_layers"]
+    cfg, EOS_IDS = read_configs(folder)  # the entries below, each checked; EOS ids of both files
+    D, N_LAYERS, HEAD_DIM = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
     N_HEADS, N_KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    HEAD_DIM = cfg.setdefault("head_dim", D // N_HEADS)  # Qwen3 configs give it: 128, not 64
-    EPS, MAX_POS = cfg["rms_norm_eps"], cfg["max_position_embeddings"]
-    THETA = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]  # transformers 5 nests it
-    eos = [cfg.get("eos_token_id"), gen.get("eos_token_id")]          # each an int, a list or None
-    EOS_IDS = {i for e in eos for i in (e if isinstance(e, list) else [e]) if i is not None}
+    EPS, THETA, MAX_POS = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["max_position_embeddings"]
     W = {}
     for f in sorted(folder.glob("*.safetensors")) or [folder / "model.safetensors"]:  # or shards
         tensors = read(f, mx.load, "a complete safetensors file")  # lazy: maps, reads on use
         W.update({name: w.astype(dtype or w.dtype) for name, w in tensors.items()})
-    if cfg.get("tie_word_embeddings") or "lm_head.weight" not in W:
+    if cfg["tie_word_embeddings"] or "lm_head.weight" not in W:
         W["lm_head.weight"] = W.get("model.embed_tokens.weight")  # tied: one matrix reads and writes
     W = checked_shapes(W, cfg, folder)  # only the tensors the model uses, each of the right shape
     mx.eval(W)  # read every weight now, so that generation times only generation
-    TOK = read(folder / "tokenizer.json", Tokenizer.from_file, "a tokenizer that `tokenizers` reads")
+    TOK = read_tokenizer(folder, cfg["vocab_size"])  # its ids must fit the embedding's rows
     return cfg
 
-
 # ═══ 1. RMSNorm — turn the volume to a standard level, then apply a learned per-channel gain ═══
-def rms_norm(x, w):
+# @mx.compile: MLX traces once per input shape and fuses the element-wise steps into one kernel,
+# the math as written. A trace keeps the Python values it read, so eps comes in as an argument.
+@mx.compile
+def rms_norm(x, w, eps):
     """x: (..., n), w: (n,) -> (..., n). x / sqrt(mean(x^2) + eps) * w.
     float32 for the mean of squares: bfloat16 keeps 8 bits of mantissa and the sum drifts."""
     x32 = x.astype(mx.float32)                                                  # (..., n)
-    x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + EPS)     # (..., n)
+    x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)     # (..., n)
     return w * x32.astype(x.dtype)                                              # (..., n)
 
-
 # ═══ 2. RoPE — a clock hand per pair of dimensions, turned by the token's position ═══
-def apply_rope(q, k, positions):
-    """q: (H, L, hd), k: (KV, L, hd), positions: (L,) -> q, k rotated.
+def rope_tables(positions, dtype):
+    """positions: (L,) -> cos, sin: (L, HEAD_DIM), built once per forward pass for every layer.
     "Rotate-half": dimension i pairs with i + hd/2 and turns by angle pos * THETA^(-2i/hd)."""
-    half = HEAD_DIM // 2
-    inv_freq = THETA ** (-mx.arange(0, half, dtype=mx.float32) * 2 / HEAD_DIM)   # (64,)
-    angles = positions.astype(mx.float32)[:, None] * inv_freq[None, :]          # (L, 64) float32:
-    angles = mx.concatenate([angles, angles], axis=-1)                          # (L, 128) pos*freq
-    # Cast cos/sin to the activation dtype: float32 here would silently promote q, k, the
-    # scores and the KV cache (and so the whole residual stream) to float32.
-    cos, sin = mx.cos(angles).astype(q.dtype), mx.sin(angles).astype(q.dtype)  # (L, 128)
+    inv_freq = THETA ** (-mx.arange(0, HEAD_DIM // 2, dtype=mx.float32) * 2 / HEAD_DIM)  # (64,)
+    angles = positions.astype(mx.float32)[:, None] * inv_freq[None, :]         # (L, 64) float32
+    # In the activation dtype: float32 tables would promote q, k, the cache, the whole model.
+    cos, sin = mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype)      # (L, 64)
+    return mx.concatenate([cos, cos], -1), mx.concatenate([-sin, sin], -1)     # (L, 128): signs
 
-    def rotate(x):                                                              # (heads, L, 128)
-        rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)      # (heads, L, 128)
-        return x * cos + rotated * sin                                          # (heads, L, 128)
-
-    return rotate(q), rotate(k)
-
+@mx.compile
+def apply_rope(x, cos, sin):
+    """x: (heads, L, hd) -> rotated. Each pair (x1, x2) = (x[i], x[i + hd/2]) becomes
+    (x1 cos - x2 sin, x2 cos + x1 sin): x * cos + (x2, x1) * (-sin, +sin)."""
+    half = x.shape[-1] // 2
+    swapped = mx.concatenate([x[..., half:], x[..., :half]], axis=-1)          # (heads, L, 128)
+    return x * cos + swapped * sin                                              # (heads, L, 128)
 
 # ═══ 3. Grouped-query attention — every token asks, earlier tokens answer; 2 askers share a key ═══
-def attention(x, layer_idx, cache, start):
-    """x: (L, D), the tokens at positions start.. -> (L, D). cache[layer_idx]: None, or buffers
-    (keys, values) whose first `start` positions hold the earlier tokens; this call writes L more."""
+@partial(mx.compile, shapeless=True)  # one trace for all L and S: nothing here depends on them
+def masked_scores(scores, visible, sqrt_hd):  # float32 for the softmax; -inf where not visible
+    return mx.where(visible, scores.astype(mx.float32) / sqrt_hd, -mx.inf)     # (..., L, S)
+
+def attend(q, k, v, visible):
+    """q: (H, L, hd), k, v: (KV, S, hd), visible: (L, S) -> (H, L, hd): softmax(q k^T / sqrt(hd)) v.
+    GQA without copying K and V: the H query heads as KV groups; a group shares a head."""
+    H, L, hd = q.shape
+    groups = q.reshape(k.shape[0], H // k.shape[0], L, hd)                     # (8, 2, L, 128)
+    scores = groups @ k[:, None].swapaxes(-1, -2)                              # (8, 2, L, S)
+    scores = masked_scores(scores, visible, math.sqrt(q.shape[-1]))           # (8, 2, L, S) float32
+    weights = mx.softmax(scores, axis=-1).astype(v.dtype)                      # (8, 2, L, S)
+    return (weights @ v[:, None]).reshape(q.shape)                             # (16, L, 128)
+
+def attention(x, layer_idx, cache, start, rope, visible):
+    """x: (L, D) at positions start.. -> (L, D); rope, visible: from forward(). cache[layer_idx]:
+    None, or buffers (keys, values) whose first `start` positions hold earlier tokens; L more."""
     p = f"model.layers.{layer_idx}.self_attn."
     L, end = x.shape[0], start + x.shape[0]
-    positions = mx.arange(start, end)                                  # (L,)
     q = (x @ W[p + "q_proj.weight"].T).reshape(L, N_HEADS, HEAD_DIM)   # (L, 16, 128)
     k = (x @ W[p + "k_proj.weight"].T).reshape(L, N_KV, HEAD_DIM)      # (L, 8, 128)
-    v = (x @ W[p + "v_proj.weight"].T).reshape(L, N_KV, HEAD_DIM)      # (L, 8, 128)
+    v = (x @ W[p + "v_proj.weight"].T).reshape(L, N_KV, HEAD_DIM).transpose(1, 0, 2)  # (8, L, 128)
     # QK-norm: Qwen3 RMS-normalises every 128-dim head of q and k before RoPE.
-    q = rms_norm(q, W[p + "q_norm.weight"]).transpose(1, 0, 2)         # (16, L, 128)
-    k = rms_norm(k, W[p + "k_norm.weight"]).transpose(1, 0, 2)         # (8, L, 128)
-    v = v.transpose(1, 0, 2)                                           # (8, L, 128)
-    q, k = apply_rope(q, k, positions)                                 # (16, L, 128), (8, L, 128)
+    q = apply_rope(rms_norm(q, W[p + "q_norm.weight"], EPS).transpose(1, 0, 2), *rope)  # (16, L, 128)
+    k = apply_rope(rms_norm(k, W[p + "k_norm.weight"], EPS).transpose(1, 0, 2), *rope)  # (8, L, 128)
     # KV cache: buffers that grow 256 positions at a time; each token's key and value are
     # written in place, so a step never copies what is cached (concatenating would).
     keys, values = cache[layer_idx] or (k[:, :0], v[:, :0])           # (8, room, 128)
@@ -107,47 +113,45 @@ def attention(x, layer_idx, cache, start):
     keys[:, start:end] = k                                             # write positions start..end-1
     values[:, start:end] = v                                           # in place: no copy
     cache[layer_idx] = (keys, values)
-    k, v = keys[:, :end], values[:, :end]                              # (8, S, 128), S = end
-    # GQA without copying K and V: view the 16 query heads as 8 groups of 2; a group shares a head.
-    q = q.reshape(N_KV, N_HEADS // N_KV, L, HEAD_DIM)                  # (8, 2, L, 128)
-    scores = q @ k[:, None].swapaxes(-1, -2)                           # (8, 2, L, S)
-    scores = scores.astype(mx.float32) / math.sqrt(HEAD_DIM)           # (8, 2, L, S) float32 softmax
-    # Causal mask, right with a cache: the query at position p may see keys at positions 0..p.
-    visible = mx.arange(end)[None, :] <= positions[:, None]            # (L, S) bool
-    scores = mx.where(visible, scores, -mx.inf)                        # (8, 2, L, S)
-    weights = mx.softmax(scores, axis=-1).astype(v.dtype)              # (8, 2, L, S)
-    out = weights @ v[:, None]                                         # (8, 2, L, 128)
-    out = out.reshape(N_HEADS, L, HEAD_DIM).transpose(1, 0, 2)         # (L, 16, 128)
-    return out.reshape(L, N_HEADS * HEAD_DIM) @ W[p + "o_proj.weight"].T  # (L, 1024)
-
+    out = attend(q, keys[:, :end], values[:, :end], visible)           # (16, L, 128), S = end
+    return out.transpose(1, 0, 2).reshape(L, N_HEADS * HEAD_DIM) @ W[p + "o_proj.weight"].T  # (L, 1024)
 
 # ═══ 4. SwiGLU feed-forward — a gate decides how much of each of 3072 features passes ═══
+@mx.compile
+def swiglu(gate, up):  # (L, 3072) each: silu(gate) * up, where silu(g) = g * sigmoid(g)
+    return gate * mx.sigmoid(gate) * up
+
 def ffn(x, layer_idx):
     """x: (L, D) -> (L, D). down( silu(gate(x)) * up(x) )."""
     p = f"model.layers.{layer_idx}.mlp."
     gate = x @ W[p + "gate_proj.weight"].T                             # (L, 3072)
     up = x @ W[p + "up_proj.weight"].T                                 # (L, 3072)
-    return (gate * mx.sigmoid(gate) * up) @ W[p + "down_proj.weight"].T  # (L, 1024)
-
+    return swiglu(gate, up) @ W[p + "down_proj.weight"].T              # (L, 1024)
 
 # ═══ 5. Transformer block — normalise, attend, add; normalise, think, add ═══
-def transformer_block(x, layer_idx, cache, start):
+def transformer_block(x, layer_idx, cache, start, rope, visible):
     """x: (L, D) -> (L, D). Pre-norm with two residual connections."""
     p = f"model.layers.{layer_idx}."
-    x = x + attention(rms_norm(x, W[p + "input_layernorm.weight"]), layer_idx, cache, start)
-    return x + ffn(rms_norm(x, W[p + "post_attention_layernorm.weight"]), layer_idx)  # (L, 1024)
-
+    x = x + attention(rms_norm(x, W[p + "input_layernorm.weight"], EPS), layer_idx, cache, start,
+                      rope, visible)
+    return x + ffn(rms_norm(x, W[p + "post_attention_layernorm.weight"], EPS), layer_idx)  # (L, 1024)
 
 # ═══ 6. Forward — ids in, one score per vocabulary entry out, for every position ═══
-def forward(token_ids, cache, start_pos):
+def forward(token_ids, cache, start_pos, hidden=None):
     """token_ids: L ids (ints or an int array) at positions start_pos.. -> logits (L, vocab).
-    cache: one entry per layer ([None] * N_LAYERS to start); positions start_pos.. are written."""
+    cache: one entry per layer ([None] * N_LAYERS to start); positions start_pos.. are written.
+    hidden: a list, if given, receives x after every block (the logit lens of --explain)."""
     x = W["model.embed_tokens.weight"][mx.array(token_ids)]            # (L, 1024)
+    end = start_pos + x.shape[0]                                       # S: positions after this call
+    positions = mx.arange(start_pos, end)                              # (L,)
+    rope = rope_tables(positions, x.dtype)                             # cos, sin: (L, 128) each
+    visible = mx.arange(end)[None, :] <= positions[:, None]            # (L, S) causal: key <= query
     for i in range(N_LAYERS):
-        x = transformer_block(x, i, cache, start_pos)                  # (L, 1024)
-    x = rms_norm(x, W["model.norm.weight"])                            # (L, 1024)
+        x = transformer_block(x, i, cache, start_pos, rope, visible)  # (L, 1024)
+        if hidden is not None:
+            hidden.append(x)
+    x = rms_norm(x, W["model.norm.weight"], EPS)                       # (L, 1024)
     return x @ W["lm_head.weight"].T                                   # (L, 151936)
-
 
 # ═══ 7. Sampling — pick the next token: the favourite, or a weighted draw from the front-runners ═══
 def sample(logits, temperature=0.0, top_p=1.0):
@@ -166,13 +170,11 @@ def sample(logits, temperature=0.0, top_p=1.0):
     masked = mx.where(keep, logits[order], -mx.inf)                    # (vocab,)
     return order[mx.random.categorical(masked)]                        # () a token id
 
-
 # ═══ 8. Generate — read the prompt once, then write one token at a time ═══
 def prefill(prompt_ids, cache, start=0):
     """Run the prompt through the model at positions start..; -> logits (vocab,) of its last
-    token, lazy. The other tokens only fill the cache, in chunks of 512 (bounded memory); MLX
-    computes only what mx.eval asks for, so their logits (and the last layer's feed-forward)
-    are never computed."""
+    token, lazy. The other tokens only fill the cache, in chunks of 512 (bounded memory): MLX
+    computes only what mx.eval asks for, never their logits or the last layer's feed-forward."""
     *head, last = prompt_ids
     for i in range(0, len(head), 512):
         forward(head[i:i + 512], cache, start + i)
@@ -197,29 +199,75 @@ def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None,
         yield token_id
         token = upcoming
 
-
 # ═══ 9. Around the model, which ends above: the files checked, the download, chat, command line ═══
 HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
 FILES = "config.json generation_config.json tokenizer.json tokenizer_config.json model.safetensors"
 
 def read(path, parse=lambda name: json.loads(Path(name).read_text()), what="valid JSON"):
-    """parse(path), by default as JSON. A missing or broken file raises one error that names it."""
+    """parse(path), by default as JSON. A missing, unreadable or broken file raises one error
+    that names it and says what is wrong with it."""
     path = Path(path)
-    if not path.is_file():
+    if path.parent.is_file():
+        raise NotADirectoryError(f"{path.parent} is a file, not a folder (a model is a folder)")
+    if not path.exists():
         raise FileNotFoundError(f"{path.parent} lacks {path.name}. Get the model: "
                                 f"hf download {REPO} {FILES} --local-dir {path.parent}")
+    try:
+        open(path, "rb").close()  # a folder, or a file that this user may not read?
+    except OSError as e:
+        raise OSError(f"{path} cannot be read: {e.strerror.lower()}") from None
     try:
         return parse(str(path))
     except Exception as e:
         raise ValueError(f"{path} is not {what} ({e})") from None
 
+COUNT = ("a whole number of 1 or more", lambda v: type(v) is int and v >= 1)
+POSITIVE = ("a number more than 0", lambda v: type(v) in (int, float) and v > 0)
+CONFIG = {  # every config.json entry that load() reads -> what it must be
+    "model_type": ('"qwen3" (this script runs dense Qwen3 models only)', lambda v: v == "qwen3"),
+    **dict.fromkeys(["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size", "max_position_embeddings"], COUNT),
+    "head_dim": ("an even whole number (RoPE turns pairs)", lambda v: COUNT[1](v) and v % 2 == 0),
+    "rms_norm_eps": POSITIVE, "rope_theta": POSITIVE,
+    "tie_word_embeddings": ("true or false", lambda v: type(v) is bool),
+    "eos_token_id": ("a token id, a list of them or null", lambda v: v is None or all(
+        type(i) is int and i >= 0 for i in (v if isinstance(v, list) else [v])))}
+
+def entry(file, data, name):
+    """data[name], read from file, if it is what CONFIG says; else an error that names both."""
+    what, ok = CONFIG[name]
+    if name not in data:
+        raise ValueError(f"{file} has no '{name}' entry")
+    if not ok(data[name]):
+        raise ValueError(f"{file}: {name} must be {what}, not {json.dumps(data[name])}")
+    return data[name]
+
 def read_configs(folder):
-    """config.json, which must describe a dense Qwen3; generation_config.json ({} if absent)."""
-    cfg, gen_file = read(folder / "config.json"), folder / "generation_config.json"
-    if cfg.get("model_type") != "qwen3":
-        raise ValueError(f"{folder / 'config.json'} describes model_type {cfg.get('model_type')!r};"
-                         " this script runs dense Qwen3 models ('qwen3') only")
-    return cfg, read(gen_file) if gen_file.is_file() else {}
+    """-> config.json's entries in CONFIG, each checked, and the EOS ids of config.json and
+    generation_config.json (which may be absent)."""
+    path, gen_path = folder / "config.json", folder / "generation_config.json"
+    cfg, gen = read(path), read(gen_path) if gen_path.exists() else {}
+    for file, data in [(path, cfg), (gen_path, gen)]:
+        if not isinstance(data, dict):
+            raise ValueError(f"{file} must hold a JSON object {{...}}, not {json.dumps(data)[:40]}")
+    nested = cfg.get("rope_parameters")  # transformers 5 writes rope_theta in there
+    cfg = {"tie_word_embeddings": False, "eos_token_id": None,  # absent: as transformers reads them
+           **(nested if isinstance(nested, dict) else {}), **cfg}
+    cfg = {name: entry(path, cfg, name) for name in CONFIG}
+    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
+        raise ValueError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
+    eos = [cfg["eos_token_id"], entry(gen_path, {"eos_token_id": None, **gen}, "eos_token_id")]
+    return cfg, {i for e in eos for i in (e if isinstance(e, list) else [e]) if i is not None}
+
+def read_tokenizer(folder, vocab_size):
+    """tokenizer.json, every id of which (added tokens too) is a row of the embedding table."""
+    tok = read(folder / "tokenizer.json", Tokenizer.from_file, "a tokenizer that `tokenizers` reads")
+    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size:
+        raise ValueError(f"{folder / 'tokenizer.json'} has token ids up to {top}, past the {vocab_size}"
+                         f" rows of the embedding (vocab_size in {folder / 'config.json'}): the"
+                         " tokenizer of another model?")
+    return tok
 
 def checked_shapes(weights, cfg, folder):
     """weights, only the tensors the model uses, each of the shape config.json predicts; one
@@ -312,6 +360,8 @@ def parse_args(argv):
                            (not args.temperature >= 0, "--temperature must be 0 or more"),
                            (not 0 < args.top_p <= 1, "--top-p must be more than 0 and at most 1"),
                            (args.show_probs < 0, "--show-probs must be 0 or more"),
+                           (args.system is not None and not args.chat, "--system needs --chat"),
+                           (args.no_think and not args.chat, "--no-think needs --chat"),
                            (not 0 <= (args.seed or 0) < 2**64, "--seed must be from 0 to 2**64 - 1")]:
         if wrong:
             ap.error(message)
@@ -348,10 +398,7 @@ def main(argv=None):
     if args.seed is not None:
         mx.random.seed(args.seed)
     folder = model_folder(args.model)
-    try:
-        load(folder, args.dtype and getattr(mx, args.dtype))
-    except KeyError as e:  # an entry load() reads that config.json lacks
-        sys.exit(f"error: {folder / 'config.json'} has no {e} entry")
+    load(folder, args.dtype and getattr(mx, args.dtype))
     n_params = sum(w.size for w in {id(w): w for w in W.values()}.values())  # a tied head once
     print(f"Qwen3 from {folder}: {N_LAYERS} layers, hidden {D}, {N_HEADS} query / {N_KV} KV heads"
           f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {W['model.norm.weight'].dtype}")

@@ -5,6 +5,7 @@
     python tests/benchmark.py --contexts 512,2048    # decode after these contexts only
     python tests/benchmark.py --layers 28            # Qwen3-0.6B's exact shapes (slow on a CPU)
     python tests/benchmark.py --model Qwen3-0.6B     # a real checkpoint
+    python tests/benchmark.py --shape small          # 28 tiny layers: bound by the launch overhead
 
 Runs alternate between the two implementations (ours, mlx-lm, ours, mlx-lm, ...) after one
 warm-up each, and each figure is the median over --runs. Prefill tokens/s = prompt tokens / time
@@ -22,9 +23,15 @@ minutes on a 2-core CPU. A model with fewer layers but the full vocabulary would
 head (a quarter of Qwen3-0.6B's weights, the same work in both implementations, so it pulls every
 ratio towards 1). So the random checkpoint keeps the real proportions: --layers L of Qwen3-0.6B's
 exact shape and a vocabulary of 151,936 x L / 28, so that the head is the same share of each
-decode step as in the real model. Not collected by pytest (no test_ prefix).
+decode step as in the real model. --shape small is the other end: 28 layers of hidden 64, where each step's time goes to launching
+kernels and Python's work between them rather than to arithmetic.
+
+First it prints how many kernels one decoded token launches per layer, ours and mlx-lm's
+(kernels_per_layer(): a graph count, so the same on every device). Not collected by pytest (no
+test_ prefix).
 """
 import argparse
+import re
 import statistics
 import sys
 import tempfile
@@ -44,6 +51,33 @@ from conftest import build_tokenizer, write_checkpoint  # noqa: E402
 
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
+SMALL = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=28, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, vocab_size=640, max_position_embeddings=8192)
+VIEWS = {"Reshape", "Transpose", "Broadcast", "ExpandDims", "Squeeze", "Slice", "AsStrided", "Flatten",
+         "Unflatten"}  # primitives that only describe a view of memory: they launch no kernel
+
+
+def kernels_per_layer(step, n_layers):
+    """step(): one decoded token's logits, built lazily (an evaluated KV cache behind it) ->
+    the kernels that computing them launches, per layer. Counted in MLX's graph of the step
+    (mx.export_to_dot): every node but the views; a compiled function's fused node counts once,
+    as does each mx.fast kernel. The embedding, final norm and LM head are in the count too."""
+    with tempfile.TemporaryDirectory() as folder:
+        mx.export_to_dot(f"{folder}/step.dot", step())
+        names = re.findall(r'label ="(\w+)"', Path(f"{folder}/step.dot").read_text())
+    return sum(name not in VIEWS for name in names) / n_layers
+
+
+def ours_step():
+    cache = [None] * li.N_LAYERS
+    mx.eval(li.forward(list(range(16)), cache, 0))                    # 16 tokens in the cache
+    return li.forward([5], cache, 16)[-1]                             # the 17th, lazily
+
+
+def mlx_lm_step(model):
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.arange(16)[None], cache=cache), [c.state for c in cache])
+    return model(mx.array([[5]]), cache=cache)[0, -1]
 
 
 def timed(tokens, n_prompt):
@@ -93,6 +127,8 @@ class MlxLm:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a Qwen3 folder; default: write random weights")
+    ap.add_argument("--shape", choices=["qwen3-0.6b", "small"], default="qwen3-0.6b",
+                    help="of the random checkpoint: Qwen3-0.6B's, or 28 layers of hidden 64")
     ap.add_argument("--layers", type=int, default=4, help="layers of the random checkpoint")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the random checkpoint")
     ap.add_argument("--contexts", default="512,2048,4096", help="decode after these many tokens")
@@ -101,10 +137,14 @@ def main():
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     folder = args.model
-    if folder is None:
+    if folder is None and args.shape == "small":
+        shapes = SMALL
+    elif folder is None:
         vocab = QWEN3_06B["vocab_size"] * args.layers // 28 // 64 * 64
         shapes = dict(QWEN3_06B, num_hidden_layers=args.layers, vocab_size=vocab)
-        print(f"writing a random {args.dtype} checkpoint: {args.layers} layers, vocabulary {vocab} ...")
+    if folder is None:
+        print(f"writing a random {args.dtype} checkpoint: {shapes['num_hidden_layers']} layers, "
+              f"hidden {shapes['hidden_size']}, vocabulary {shapes['vocab_size']} ...")
         folder = write_checkpoint(tmp.name, build_tokenizer(), dtype=args.dtype, lm_head="tied_stored",
                                   init="realistic", **shapes)
     li.load(folder)
@@ -119,6 +159,9 @@ def main():
     prefills = [int(n) for n in args.prefills.split(",") if n]
     print(f"{mx.default_device()}, {li.N_LAYERS} layers, {li.W['model.norm.weight'].dtype}, "
           f"runs={args.runs}, contexts={contexts}")
+    print(f"kernels per layer for one decoded token: ours {kernels_per_layer(ours_step, li.N_LAYERS):.1f},"
+          f" mlx-lm {kernels_per_layer(lambda: mlx_lm_step(model), li.N_LAYERS):.1f} (its mx.fast kernels"
+          " are one each on a GPU; a CPU builds some from ordinary operations)")
     rows, peaks = {}, {}
 
     def measure(label, which, run_once, name, run):
