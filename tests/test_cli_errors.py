@@ -279,3 +279,105 @@ def test_ctrl_c_at_the_chat_prompt(checkpoint):
     p.stdin.close()
     assert p.returncode == -signal.SIGINT and err == b"", err
     assert (seen + out).count(b"Peak memory") == 1  # no stale stats from the finished turn
+
+
+# Issue 13: every file checked for what it must hold, before any work.
+def edit_json(path, change):
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(change(data)))
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("content", [[1, 2], None, "qwen3"])
+def test_config_not_an_object(broken, name, content):
+    (broken / name).write_text(json.dumps(content))
+    assert_error(run_cli("--model", str(broken)), f"{broken / name} must hold a JSON object {{...}}, "
+                 f"not {json.dumps(content)}")
+
+
+@pytest.mark.parametrize("entry, value, what", [
+    ("num_hidden_layers", "3", "a whole number of 1 or more"),
+    ("hidden_size", 64.0, "a whole number of 1 or more"),
+    ("num_attention_heads", 0, "a whole number of 1 or more"),
+    ("vocab_size", -640, "a whole number of 1 or more"),
+    ("max_position_embeddings", None, "a whole number of 1 or more"),
+    ("intermediate_size", True, "a whole number of 1 or more"),
+    ("head_dim", 33, "an even whole number (RoPE turns pairs)"),
+    ("rms_norm_eps", "1e-6", "a number more than 0"),
+    ("rms_norm_eps", None, "a number more than 0"),
+    ("rope_theta", 0, "a number more than 0"),
+    ("tie_word_embeddings", "yes", "true or false"),
+    ("eos_token_id", [2, "<|im_end|>"], "a token id, a list of them or null"),
+])
+def test_config_entry_of_the_wrong_kind(broken, entry, value, what):
+    edit_json(broken / "config.json", lambda cfg: cfg | {entry: value})
+    r = run_cli("--model", str(broken), "-m", "3")
+    assert_error(r, f"{broken / 'config.json'}: {entry} must be {what}, not {json.dumps(value)}")
+    assert "==========" not in r.stdout  # checked at load, before any work
+
+
+def test_generation_config_eos_of_the_wrong_kind(broken):
+    edit_json(broken / "generation_config.json", lambda gen: gen | {"eos_token_id": "<|im_end|>"})
+    assert_error(run_cli("--model", str(broken)), f"{broken / 'generation_config.json'}: eos_token_id "
+                 'must be a token id, a list of them or null, not "<|im_end|>"')
+
+
+def test_heads_not_in_groups(broken):
+    edit_json(broken / "config.json", lambda cfg: cfg | {"num_key_value_heads": 3})
+    assert_error(run_cli("--model", str(broken)), "num_attention_heads must be a multiple of "
+                 "num_key_value_heads")
+
+
+def test_rope_theta_missing_or_nested(checkpoint, broken):
+    edit_json(broken / "config.json", lambda cfg: {k: v for k, v in cfg.items() if k != "rope_theta"})
+    assert_error(run_cli("--model", str(broken)), "config.json has no 'rope_theta' entry")
+    r = run_cli("--model", str(checkpoint(rope="nested")), "-m", "2")  # transformers 5's layout
+    assert r.returncode == 0, r.stderr
+
+
+def test_tokenizer_of_another_model(checkpoint, tokenizer):
+    """Its ids index past the embedding table, which MLX does not bounds-check: the text would
+    be computed from memory that is not the model's."""
+    folder = checkpoint(vocab_size=256)  # weights for 256 ids; this tokenizer has more
+    top = tokenizer.get_vocab_size(with_added_tokens=True) - 1
+    assert top >= 256
+    r = run_cli("--model", str(folder), "-m", "3")
+    assert_error(r, f"{folder / 'tokenizer.json'} has token ids up to {top}, past the 256 rows of the "
+                 f"embedding (vocab_size in {folder / 'config.json'})")
+    assert r.stdout == ""
+
+
+def test_model_is_a_file(checkpoint):
+    path = checkpoint() / "config.json"
+    assert_error(run_cli("--model", str(path)), f"{path} is a file, not a folder")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_folder_where_a_file_belongs(broken, name):
+    (broken / name).unlink()
+    (broken / name).mkdir()
+    assert_error(run_cli("--model", str(broken)), f"{broken / name} cannot be read: is a directory")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+def test_file_that_cannot_be_read(broken):
+    (broken / "config.json").chmod(0)
+    assert_error(run_cli("--model", str(broken)), f"{broken / 'config.json'} cannot be read: "
+                 "permission denied")
+
+
+def test_file_that_cannot_be_read_in_process(broken, monkeypatch):
+    """The same path as a permission error takes for a user who is not root (root reads any
+    file, so the refusal is made by a stand-in for open())."""
+    def refuse(path, *args):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(li, "open", refuse, raising=False)
+    with pytest.raises(OSError, match=f"{broken / 'config.json'} cannot be read: permission denied$"):
+        li.load(broken)
+
+
+@pytest.mark.parametrize("flag", [["--system", "Be brief."], ["--no-think"]])
+def test_chat_flags_without_chat(checkpoint, flag):
+    assert_error(run_cli("--model", str(checkpoint()), *flag), f"{flag[0]} needs --chat")
+    r = run_cli("--model", str(checkpoint()), "--chat", "--prompt", "Hi", "-m", "2", *flag)
+    assert r.returncode == 0, r.stderr

@@ -126,6 +126,30 @@ def test_two_turn_conversation_over_stdin(checkpoint, tokenizer):
     assert reply2 + "\n==========" in r.stdout  # the same reply as from a fresh, full prefill
 
 
+def test_chat_turn_after_a_reply_cut_at_max_tokens(checkpoint, tokenizer):
+    """A reply that ends at --max-tokens: its last token was printed but never run through the
+    model, so its key and value are not in the cache. The next turn computes it: the reuse
+    count stops before it, and the reply equals a fresh run of the whole prompt. With -m 1 the
+    reply is one token; a question is picked whose reply token comes back unchanged in the next
+    prompt (else the common prefix would stop before it anyway, and nothing would be tested)."""
+    folder = checkpoint()
+    li.load(folder)
+    for question in ["Hello there", "Once upon a time", "The capital of France is", "def f(x):",
+                     "Emoji 😀", "tabs\tand", "numbers 0123"]:
+        ids1 = tokenizer.encode(li.chat_prompt([question])).ids
+        reply = list(li.generate(ids1, max_tokens=1))
+        ids2 = tokenizer.encode(li.chat_prompt([question, tokenizer.decode(reply), "And Japan?"])).ids
+        if reply and ids2[:len(ids1) + 1] == ids1 + reply:
+            break
+    else:
+        pytest.fail("no question's one-token reply comes back as the same token")
+    r = run_cli("--model", str(folder), "--chat", "-m", "1", stdin=f"{question}\nAnd Japan?\n".encode())
+    assert r.returncode == 0, r.stderr
+    assert f"[KV cache: {len(ids1)} tokens reused, {len(ids2) - len(ids1)} new to prefill]" in r.stdout
+    reply2 = "".join(piece for _, piece in li.stream_text(li.generate(ids2, max_tokens=1)))
+    assert f"==========\n{reply2}\n==========" in r.stdout.split("[KV cache:")[2]  # turn 2's reply
+
+
 def test_empty_line_ends_conversation(checkpoint):
     r = run_cli("--model", str(checkpoint()), "--chat", "-m", "3", stdin=b"Hi\n\nnever read\n")
     assert r.returncode == 0 and r.stdout.count("[KV cache:") == 1

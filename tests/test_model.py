@@ -4,12 +4,14 @@ Error measure everywhere: max |ours - ref| over the whole logits matrix, divided
 (a relative error that a few near-zero logits cannot inflate).
 """
 import importlib
+import math
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 import llm_inference as li
@@ -146,17 +148,57 @@ def reference_greedy(folder, ids, n):
     return [int(t) for t, _ in steps]
 
 
+MANTISSA_BITS = {mx.bfloat16: 7, mx.float16: 10, mx.float32: 23}
+
+
+def greedy_along_mlx_lm(folder, ids, n, delta):
+    """Greedy decoding compared step by step, teacher-forced: both models are fed mlx-lm's greedy
+    ids, so one tie cannot derail the rest. At each step our argmax must be mlx-lm's, except
+    where mlx-lm's two likeliest logits are within bound = the logits' resolution at the top
+    logit (one step of the dtype there: two values that close can round to one) + delta (how far
+    our logits may be from mlx-lm's: the caller measures it on the prompt's last token, the row
+    that a decoding step computes). There either choice is right: a tie, not compared. Fails if more than a quarter of the steps are ties (a
+    checkpoint of ties proves nothing). Returns mlx-lm's ids and the number of steps compared
+    before the first tie (generate() must agree that far)."""
+    model, _ = load_model(Path(folder))
+    ref_cache, cache = make_prompt_cache(model), [None] * li.N_LAYERS
+    ref, ours = model(mx.array(ids)[None], cache=ref_cache)[0, -1], li.prefill(ids, cache)
+    ref_ids, ties, first_tie = [], 0, n
+    for pos in range(len(ids), len(ids) + n):
+        top2 = mx.sort(ref.astype(mx.float32))[-2:].tolist()
+        bound = 2.0 ** (math.floor(math.log2(abs(top2[1]))) - MANTISSA_BITS[ref.dtype]) + delta
+        ref_ids.append(mx.argmax(ref).item())
+        if top2[1] - top2[0] <= bound:
+            ties += 1
+            first_tie = min(first_tie, len(ref_ids) - 1)
+        else:
+            assert mx.argmax(ours).item() == ref_ids[-1], f"step {len(ref_ids)}: not a tie"
+        ref = model(mx.array([ref_ids[-1:]]), cache=ref_cache)[0, -1]
+        ours = li.forward(ref_ids[-1:], cache, pos)[-1]
+    print(f"greedy: {n - ties} of {n} steps compared, {ties} ties (bound from delta {delta:.3g})")
+    assert ties <= n / 4
+    return ref_ids, first_tie
+
+
+def assert_generate_agrees(ids, n, ref_ids, agreed):
+    """generate()'s own ids equal mlx-lm's up to the first tie, and stop at its first EOS id."""
+    ours = list(li.generate(ids, max_tokens=n))
+    stop = next((i for i, t in enumerate(ref_ids) if t in li.EOS_IDS), n)
+    if stop < agreed:
+        assert ours == ref_ids[:stop]
+    else:
+        assert ours[:agreed] == ref_ids[:agreed]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_generation_equals_mlx_lm(checkpoint, tokenizer, dtype):
     folder = checkpoint(dtype=dtype)
     ids = tokenizer.encode("The capital of France is").ids
-    ref = reference_greedy(folder, ids, 24)
     li.load(folder)
-    ours = list(li.generate(ids, max_tokens=24))
+    delta = mx.abs(ours_logits(folder, ids)[-1] - mlx_lm_logits(folder, ids)[-1]).max().item()
+    ref, agreed = greedy_along_mlx_lm(folder, ids, 24, delta)
     assert len(set(ref)) > 5  # the fixture is not degenerate: not one repeated token
-    if li.EOS_IDS & set(ref):
-        ref = ref[:min(ref.index(e) for e in li.EOS_IDS if e in ref)]
-    assert ours == ref
+    assert_generate_agrees(ids, 24, ref, agreed)
 
 
 @pytest.mark.parametrize("where", ["config", "generation_config"])
@@ -219,3 +261,38 @@ def test_generate_one_token_and_zero_room(checkpoint, tokenizer):
         assert list(li.generate(ids, max_tokens=5)) == []
     finally:
         li.load(checkpoint())
+
+
+def test_prompt_longer_than_a_prefill_chunk(checkpoint, tokenizer):
+    """prefill() runs a long prompt in chunks of 512: every chunk after the first must go in at
+    its own positions. 1,100 tokens: chunks at 0, 512 and 1024, then the last token; its logits,
+    and the next token's on that cache, equal mlx-lm's full forward."""
+    folder = checkpoint()
+    ids = tokenizer.encode(TEXT * 60).ids[:1101]
+    assert len(ids) == 1101
+    li.load(folder)
+    cache = [None] * li.N_LAYERS
+    last = li.prefill(ids[:-1], cache)                                 # (vocab,)
+    after = li.forward(ids[-1:], cache, len(ids) - 1)[-1]              # (vocab,)
+    ref = mlx_lm_logits(folder, ids)                                   # (1101, vocab)
+    assert rel_err(mx.stack([last, after]), ref[-2:]) < 1e-4
+
+
+def test_reusable_leaves_one_prompt_token_to_compute():
+    """The reply's first token comes from the logits of the prompt's last token, so that token
+    is always computed, even when the whole prompt is in the cache already."""
+    assert li.reusable([1, 2, 3, 4, 5], [1, 2, 3]) == 2                # a prefix of the cache
+    assert li.reusable([1, 2, 3], [1, 2, 3]) == 2                      # the cache exactly
+    assert li.reusable([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert li.reusable([1, 9, 3], [1, 2, 3, 4]) == 1
+    assert li.reusable([], [7]) == 0
+
+
+def test_prompt_already_cached_gives_the_fresh_answer(checkpoint, tokenizer):
+    li.load(checkpoint())
+    ids = tokenizer.encode("The capital of France is").ids
+    cache = [None] * li.N_LAYERS
+    mx.eval(li.forward(ids + ids[:3], cache, 0))                       # the prompt and more, cached
+    n = li.reusable(ids + ids[:3], ids)
+    assert list(li.generate(ids[n:], max_tokens=6, cache=cache, start=n)) == \
+        list(li.generate(ids, max_tokens=6))
