@@ -3,8 +3,7 @@
 Read it top to bottom; it follows the data: text -> token ids -> embeddings -> N transformer
 blocks (RMSNorm, attention with RoPE and a KV cache, SwiGLU feed-forward) -> logits -> next token.
 The model is sections 0-8, up to generate(); section 9 serves it (checks, download, chat, CLI).
-One sequence, no batch dimension; shape comments use Qwen3-0.6B's sizes (hidden 1024, 16 query
-heads, 8 KV heads, head_dim 128, vocab 151936; S = tokens so far, L = tokens in this call).
+One sequence, no batch; shapes are Qwen3-0.6B's (S = tokens so far, L = tokens in this call).
 MLX is lazy: each mx.* call only records a graph; work happens when a value is needed (mx.eval).
 """
 import argparse, json, math, os, re, signal, sys, time  # noqa: E401 (standard library)
@@ -29,9 +28,8 @@ MAX_POS = 0      # 40960  max_position_embeddings: the longest context
 EOS_IDS = set()  # {151645 <|im_end|>, 151643 <|endoftext|>}: generation stops on any of them
 
 def load(model_dir, dtype=None):
-    """config.json (+ generation_config.json) -> the constants above; every *.safetensors file
-    -> W; tokenizer.json -> TOK; each file checked in section 9, which names what is wrong.
-    dtype: compute in it (e.g. mx.float32), not the checkpoint's."""
+    """config.json (+ generation_config.json) -> the constants above; *.safetensors -> W; tokenizer.json
+    -> TOK; each checked in section 9. dtype: compute in it (mx.float32), not the checkpoint's."""
     global W, TOK, D, N_LAYERS, N_HEADS, N_KV, HEAD_DIM, EPS, THETA, MAX_POS, EOS_IDS
     folder = Path(model_dir)
     cfg, EOS_IDS = read_configs(folder)  # the entries below, each checked; EOS ids of both files
@@ -104,8 +102,7 @@ def attention(x, layer_idx, cache, start, rope, visible):
     # QK-norm: Qwen3 RMS-normalises every 128-dim head of q and k before RoPE.
     q = apply_rope(rms_norm(q, W[p + "q_norm.weight"], EPS).transpose(1, 0, 2), *rope)  # (16, L, 128)
     k = apply_rope(rms_norm(k, W[p + "k_norm.weight"], EPS).transpose(1, 0, 2), *rope)  # (8, L, 128)
-    # KV cache: buffers that grow 256 positions at a time; each token's key and value are
-    # written in place, so a step never copies what is cached (concatenating would).
+    # KV cache: buffers grown 256 positions at a time, each token written in place (no copy of the rest).
     keys, values = cache[layer_idx] or (k[:, :0], v[:, :0])           # (8, room, 128)
     if keys.shape[1] < end:                                            # full: make room for more
         more = mx.zeros((N_KV, (end + 255) // 256 * 256 - keys.shape[1], HEAD_DIM), k.dtype)
@@ -138,9 +135,8 @@ def transformer_block(x, layer_idx, cache, start, rope, visible):
 
 # ═══ 6. Forward — ids in, one score per vocabulary entry out, for every position ═══
 def forward(token_ids, cache, start_pos, hidden=None):
-    """token_ids: L ids (ints or an int array) at positions start_pos.. -> logits (L, vocab).
-    cache: one entry per layer ([None] * N_LAYERS to start); positions start_pos.. are written.
-    hidden: a list, if given, receives x after every block (the logit lens of --explain)."""
+    """token_ids: L ids (ints or an int array) at positions start_pos.. -> logits (L, vocab). cache:
+    one entry per layer ([None] * N_LAYERS to start); hidden: a list for x after every block."""
     x = W["model.embed_tokens.weight"][mx.array(token_ids)]            # (L, 1024)
     end = start_pos + x.shape[0]                                       # S: positions after this call
     positions = mx.arange(start_pos, end)                              # (L,)
@@ -155,9 +151,8 @@ def forward(token_ids, cache, start_pos, hidden=None):
 
 # ═══ 7. Sampling — pick the next token: the favourite, or a weighted draw from the front-runners ═══
 def sample(logits, temperature=0.0, top_p=1.0):
-    """logits: (vocab,) -> token id as a 0-d array. temperature 0 = greedy (argmax).
-    Otherwise softmax(logits / T), keep the smallest set of tokens whose probabilities
-    sum to top_p (the nucleus), and draw from it. float32: bfloat16 probabilities are coarse."""
+    """logits: (vocab,) -> token id (0-d array). temperature 0 = greedy (argmax); else softmax(logits
+    / T) over the fewest tokens whose probabilities sum to top_p (the nucleus), in float32."""
     if temperature == 0:
         return mx.argmax(logits)
     logits = logits.astype(mx.float32)                                 # (vocab,)
@@ -171,20 +166,18 @@ def sample(logits, temperature=0.0, top_p=1.0):
     return order[mx.random.categorical(masked)]                        # () a token id
 
 # ═══ 8. Generate — read the prompt once, then write one token at a time ═══
-def prefill(prompt_ids, cache, start=0):
-    """Run the prompt through the model at positions start..; -> logits (vocab,) of its last
-    token, lazy. The other tokens only fill the cache, in chunks of 512 (bounded memory): MLX
-    computes only what mx.eval asks for, never their logits or the last layer's feed-forward."""
+def prefill(prompt_ids, cache, start=0, hidden=None):
+    """Run the prompt in at positions start.. -> logits (vocab,) of its last token, lazy (hidden: see
+    forward). The rest only fill the cache, 512 at a time: MLX computes what mx.eval asks, no logits."""
     *head, last = prompt_ids
     for i in range(0, len(head), 512):
         forward(head[i:i + 512], cache, start + i)
         mx.eval(cache)
-    return forward([last], cache, start + len(head))[-1]              # (vocab,)
+    return forward([last], cache, start + len(head), hidden)[-1]      # (vocab,)
 
 def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None, start=0):
-    """Yield up to max_tokens ids (ints) continuing prompt_ids; stop before any EOS id and at the
-    context limit. cache, start: an earlier call's cache and how many of its positions to keep
-    (the prompt goes in from position start; what was cached after it is written over)."""
+    """Yield up to max_tokens ids (ints) after prompt_ids; stop before any EOS id and at the context
+    limit. cache, start: an earlier call's cache, and how many of its positions to keep."""
     cache = cache if cache is not None else [None] * N_LAYERS          # one (keys, values) per layer
     token = sample(prefill(prompt_ids, cache, start), temperature, top_p)  # () lazy: nothing ran
     end = min(start + len(prompt_ids) + max_tokens, MAX_POS)           # never past the context
@@ -204,8 +197,7 @@ HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
 FILES = "config.json generation_config.json tokenizer.json tokenizer_config.json model.safetensors"
 
 def read(path, parse=lambda name: json.loads(Path(name).read_text()), what="valid JSON"):
-    """parse(path), by default as JSON. A missing, unreadable or broken file raises one error
-    that names it and says what is wrong with it."""
+    """parse(path), by default as JSON; a file missing, unreadable or broken raises one error."""
     path = Path(path)
     if path.parent.is_file():
         raise NotADirectoryError(f"{path.parent} is a file, not a folder (a model is a folder)")
@@ -214,10 +206,9 @@ def read(path, parse=lambda name: json.loads(Path(name).read_text()), what="vali
                                 f"hf download {REPO} {FILES} --local-dir {path.parent}")
     try:
         open(path, "rb").close()  # a folder, or a file that this user may not read?
-    except OSError as e:
-        raise OSError(f"{path} cannot be read: {e.strerror.lower()}") from None
-    try:
         return parse(str(path))
+    except OSError as e:
+        raise OSError(f"{path} cannot be read: {(e.strerror or str(e)).lower()}") from None
     except Exception as e:
         raise ValueError(f"{path} is not {what} ({e})") from None
 
@@ -233,18 +224,8 @@ CONFIG = {  # every config.json entry that load() reads -> what it must be
     "eos_token_id": ("a token id, a list of them or null", lambda v: v is None or all(
         type(i) is int and i >= 0 for i in (v if isinstance(v, list) else [v])))}
 
-def entry(file, data, name):
-    """data[name], read from file, if it is what CONFIG says; else an error that names both."""
-    what, ok = CONFIG[name]
-    if name not in data:
-        raise ValueError(f"{file} has no '{name}' entry")
-    if not ok(data[name]):
-        raise ValueError(f"{file}: {name} must be {what}, not {json.dumps(data[name])}")
-    return data[name]
-
 def read_configs(folder):
-    """-> config.json's entries in CONFIG, each checked, and the EOS ids of config.json and
-    generation_config.json (which may be absent)."""
+    """-> config.json's CONFIG entries, checked, and its and generation_config.json's EOS ids."""
     path, gen_path = folder / "config.json", folder / "generation_config.json"
     cfg, gen = read(path), read(gen_path) if gen_path.exists() else {}
     for file, data in [(path, cfg), (gen_path, gen)]:
@@ -253,25 +234,29 @@ def read_configs(folder):
     nested = cfg.get("rope_parameters")  # transformers 5 writes rope_theta in there
     cfg = {"tie_word_embeddings": False, "eos_token_id": None,  # absent: as transformers reads them
            **(nested if isinstance(nested, dict) else {}), **cfg}
-    cfg = {name: entry(path, cfg, name) for name in CONFIG}
+    for file, data, names in [(path, cfg, CONFIG), (gen_path, gen, {"eos_token_id"} & gen.keys())]:
+        for name in names:
+            what, ok = CONFIG[name]
+            if name not in data:
+                raise ValueError(f"{file} has no '{name}' entry")
+            if not ok(data[name]):
+                raise ValueError(f"{file}: {name} must be {what}, not {json.dumps(data[name])}")
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
         raise ValueError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
-    eos = [cfg["eos_token_id"], entry(gen_path, {"eos_token_id": None, **gen}, "eos_token_id")]
-    return cfg, {i for e in eos for i in (e if isinstance(e, list) else [e]) if i is not None}
+    eos = [e if isinstance(e, list) else [e] for e in (cfg["eos_token_id"], gen.get("eos_token_id"))]
+    return {name: cfg[name] for name in CONFIG}, {i for e in eos for i in e if i is not None}
 
 def read_tokenizer(folder, vocab_size):
     """tokenizer.json, every id of which (added tokens too) is a row of the embedding table."""
     tok = read(folder / "tokenizer.json", Tokenizer.from_file, "a tokenizer that `tokenizers` reads")
     top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
     if top >= vocab_size:
-        raise ValueError(f"{folder / 'tokenizer.json'} has token ids up to {top}, past the {vocab_size}"
-                         f" rows of the embedding (vocab_size in {folder / 'config.json'}): the"
-                         " tokenizer of another model?")
+        raise ValueError(f"{folder / 'tokenizer.json'} has ids up to {top}, past the {vocab_size} rows"
+                         f" of the embedding (vocab_size in {folder / 'config.json'}): another model's?")
     return tok
 
 def checked_shapes(weights, cfg, folder):
-    """weights, only the tensors the model uses, each of the shape config.json predicts; one
-    missing or of another shape raises an error that names it."""
+    """weights, only the tensors the model uses, each of the shape config.json predicts (or an error)."""
     d, f, v, hd = D, cfg["intermediate_size"], cfg["vocab_size"], HEAD_DIM
     q, kv = N_HEADS * hd, N_KV * hd
     layer = {"input_layernorm": (d,), "post_attention_layernorm": (d,), "self_attn.q_proj": (q, d),
@@ -288,9 +273,7 @@ def checked_shapes(weights, cfg, folder):
     return {name: weights[name] for name in shapes}  # drops what is never used (a tied head's copy)
 
 def stream_text(token_ids):
-    """Yield (token id, the text it adds). A character split over several byte-level tokens
-    (emoji, CJK) comes out whole once its last byte arrives: no broken UTF-8 is ever printed
-    (nor a character left unfinished when generation stops)."""
+    """Yield (token id, the text it adds): a character split over tokens (emoji, CJK) comes out whole."""
     stream = DecodeStream(skip_special_tokens=False)
     for token in token_ids:
         yield token, stream.step(TOK, token) or ""
@@ -306,23 +289,37 @@ def chat_prompt(turns, system=None, think=True):
     return text + "<|im_start|>assistant\n" + ("" if think else "<think>\n\n</think>\n\n")
 
 def reusable(cached_ids, prompt_ids):
-    """How many cached positions a new prompt keeps: the longest common prefix of the ids in the
-    cache and the prompt, leaving one prompt token at least to compute (its logits give the
-    reply's first token). Nothing is copied: generate(start=n) writes over what follows."""
+    """Cached positions a new prompt keeps: the ids' common prefix, leaving a prompt token to compute."""
     n = 0
     while n < min(len(cached_ids), len(prompt_ids) - 1) and cached_ids[n] == prompt_ids[n]:
         n += 1
     return n
 
-def top_next_tokens(prompt_ids, k):
-    """The k likeliest next tokens after prompt_ids: [(id, probability)], softmax at temperature 1."""
-    probs = mx.softmax(prefill(prompt_ids, [None] * N_LAYERS).astype(mx.float32))  # (vocab,)
+def top_tokens(logits, k):
+    """logits (vocab,) -> the k likeliest tokens: [(id, probability)], softmax at temperature 1."""
+    probs = mx.softmax(logits.astype(mx.float32))                      # (vocab,)
     top = mx.argsort(-probs)[:k]                                       # (k,) likeliest first
     return list(zip(top.tolist(), probs[top].tolist()))
 
+def logit_lens(hidden):
+    """hidden: x after each block, (1, D) each -> [(id, probability)] of the likeliest next token had
+    the model stopped there: through the final norm (else early blocks read as noise) and head."""
+    return [top_tokens((rms_norm(x, W["model.norm.weight"], EPS) @ W["lm_head.weight"].T)[-1], 1)[0]
+            for x in hidden]
+
+def explain(prompt_ids, cache, start):
+    """--explain: the pipeline's steps for this prompt (run into the cache) -> its last logits."""
+    print("tokens:", ", ".join(f"{TOK.decode([token])!r} {token}" for token in prompt_ids))
+    print(f"embedding: {W['model.embed_tokens.weight'][mx.array(prompt_ids)].shape}")
+    hidden = []
+    logits = prefill(prompt_ids, cache, start, hidden)
+    print("the answer forming: the likeliest next token had the model stopped after block i")
+    for i, (token, p) in enumerate(logit_lens(hidden), 1):
+        print(f"{f'block {i}':>10} {TOK.decode([token])!r:>18} {p:<8.4f}{'█' * round(30 * p)}")
+    return logits
+
 def model_folder(model):
-    """--model -> a folder. A local folder is used as it is; the default folder while it lacks
-    files, and a Hugging Face repo id (Qwen/Qwen3-1.7B), are downloaded first."""
+    """--model -> a folder; the default one while it lacks files, and a repo id, downloaded first."""
     path = Path(model).resolve()
     is_repo = not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", model)
     if not is_repo and (path != HERE / "Qwen3-0.6B" or all((path / f).exists() for f in FILES.split())):
@@ -348,6 +345,7 @@ def parse_args(argv):
     ap.add_argument("--top-p", type=float, default=1.0, help="sample from this much probability")
     ap.add_argument("--seed", type=int, help="makes sampling reproducible")
     ap.add_argument("--show-probs", type=int, default=0, metavar="K", help="K likeliest next tokens")
+    ap.add_argument("--explain", action="store_true", help="the steps inside (chat: each turn's)")
     ap.add_argument("--chat", action="store_true", help="chat template; no --prompt: a conversation")
     ap.add_argument("--system", help="system message, with --chat")
     ap.add_argument("--no-think", action="store_true", help="switch thinking off, with --chat")
@@ -367,17 +365,18 @@ def parse_args(argv):
             ap.error(message)
     return args
 
-def run(prompt_ids, args, cache=None, start=0, echo=""):
-    """Show the likeliest next tokens (--show-probs, without a cache), generate and print the
-    text as it comes (after echo), then the stats as mlx_lm.generate does. Returns the new ids."""
+def run(prompt_ids, args, cache, start=0, echo=""):
+    """--explain, --show-probs, the text as it comes (after echo), the stats -> the new ids, and
+    how many of them are in the cache (the last one only if an EOS followed it)."""
     used = start + len(prompt_ids)
     if used >= MAX_POS:
         sys.exit(f"error: the prompt is {used} tokens; the context holds {MAX_POS}")
     if used + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
-    if args.show_probs and cache is None:  # quoted, so that a leading space or "\n" shows
-        for token, p in top_next_tokens(prompt_ids, args.show_probs):
-            print(f"{TOK.decode([token])!r:>24} {p:.4g}")
+    if args.explain or args.show_probs:  # one more pass over the prompt: generate() makes its own
+        logits = explain(prompt_ids, cache, start) if args.explain else prefill(prompt_ids, cache, start)
+        for token, p in top_tokens(logits, args.show_probs or 5):  # quoted: a leading " " shows
+            print(f"{TOK.decode([token])!r:>29} {p:<8.4g}{'█' * round(30 * p)}")  # a bar: 30 for 1
     print("=" * 10 + "\n" + echo, end="", flush=True)
     generated, tic, first = [], time.perf_counter(), None
     tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache, start)
@@ -390,8 +389,14 @@ def run(prompt_ids, args, cache=None, start=0, echo=""):
     print(f"\n{'=' * 10}\nPrompt: {len(prompt_ids)} tokens, "
           f"{len(prompt_ids) / (first - tic):.3f} tokens-per-sec")
     print(f"Generation: {n} tokens, {max(n - 1, 0) / max(end - first, 1e-9):.3f} tokens-per-sec")
-    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB", flush=True)
-    return generated
+    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    ran = n if n < args.max_tokens and used + n < MAX_POS else max(n - 1, 0)
+    print(f"KV cache: {used + ran} positions, {cache_bytes(cache, used + ran) / 1e6:.3f} MB "
+          f"({cache_bytes(cache) / 1e6:.3f} MB allocated)", flush=True)
+    return generated, ran
+
+def cache_bytes(cache, positions=None):  # every layer's keys and values at 0..positions-1 (or all)
+    return sum(k[:, :positions].nbytes + v[:, :positions].nbytes for k, v in cache)
 
 def main(argv=None):
     args = parse_args(argv)
@@ -400,26 +405,29 @@ def main(argv=None):
     folder = model_folder(args.model)
     load(folder, args.dtype and getattr(mx, args.dtype))
     n_params = sum(w.size for w in {id(w): w for w in W.values()}.values())  # a tied head once
+    dtype = str(W["model.norm.weight"].dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
     print(f"Qwen3 from {folder}: {N_LAYERS} layers, hidden {D}, {N_HEADS} query / {N_KV} KV heads"
-          f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {W['model.norm.weight'].dtype}")
+          f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {dtype}")
     if not args.chat or args.prompt is not None:  # one prompt, one completion
         text = args.prompt or "The capital of France is"
         prompt = chat_prompt([text], args.system, not args.no_think) if args.chat else text
-        prompt_ids = TOK.encode(prompt).ids
-        run(prompt_ids, args, echo="" if args.chat else text)
+        run(TOK.encode(prompt).ids, args, [None] * N_LAYERS, echo="" if args.chat else text)
         return
+    at_terminal = sys.stdin.isatty()  # a person types: say how to end, prompt each turn (as mlx_lm.chat)
+    if at_terminal:
+        print("Type a message and press Enter; an empty line or Ctrl-D ends the chat.", file=sys.stderr)
     turns, cache, cached_ids = [], [None] * N_LAYERS, []  # a conversation: one turn per line
-    for line in sys.stdin.buffer:  # until an empty line or the end of the input
-        if not (line := line.decode().rstrip("\r\n")):
+    while True:  # until an empty line or the end of the input
+        print(">> " if at_terminal else "", end="", flush=True)
+        if not (line := sys.stdin.buffer.readline().decode().rstrip("\r\n")):
             return
         turns.append(line)
         prompt_ids = TOK.encode(chat_prompt(turns, args.system, not args.no_think)).ids
         reused = reusable(cached_ids, prompt_ids)
         print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
-        generated = run(prompt_ids[reused:], args, cache, reused)
+        generated, ran = run(prompt_ids[reused:], args, cache, reused)
         turns.append(TOK.decode(generated))
-        cached_ids = prompt_ids + generated[:-1]  # all in the cache (the last token maybe not)
-
+        cached_ids = prompt_ids + generated[:ran]  # what the cache holds
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130

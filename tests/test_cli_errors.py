@@ -342,7 +342,7 @@ def test_tokenizer_of_another_model(checkpoint, tokenizer):
     top = tokenizer.get_vocab_size(with_added_tokens=True) - 1
     assert top >= 256
     r = run_cli("--model", str(folder), "-m", "3")
-    assert_error(r, f"{folder / 'tokenizer.json'} has token ids up to {top}, past the 256 rows of the "
+    assert_error(r, f"{folder / 'tokenizer.json'} has ids up to {top}, past the 256 rows of the "
                  f"embedding (vocab_size in {folder / 'config.json'})")
     assert r.stdout == ""
 

@@ -23,14 +23,21 @@ def test_show_probs_equal_softmax_of_mlx_lm(checkpoint, tokenizer):
     top = mx.argsort(-probs)[:6].tolist()
     r = run_cli("--model", str(folder), "--prompt", prompt, "--show-probs", "6", "-m", "1")
     assert r.returncode == 0, r.stderr
-    rows = r.stdout.split("\n==========")[0].splitlines()[1:]  # after the model summary
-    assert len(rows) == 6
-    for row, token in zip(rows, top):
-        shown, p = row.strip().rsplit(" ", 1)
-        assert ast.literal_eval(shown) == tokenizer.decode([token])  # quoted: spaces stay visible
-        assert float(p) == pytest.approx(probs[token].item(), rel=1e-3)  # 4 significant digits
-    assert [float(row.rsplit(" ", 1)[1]) for row in rows] == sorted(
-        (float(row.rsplit(" ", 1)[1]) for row in rows), reverse=True)
+    rows = [parse_row(row) for row in r.stdout.split("\n==========")[0].splitlines()[1:]]
+    assert len(rows) == 6  # after the model summary
+    for (shown, p), token in zip(rows, top):
+        assert shown == tokenizer.decode([token])  # quoted: spaces stay visible
+        assert p == pytest.approx(probs[token].item(), rel=1e-3)  # 4 significant digits
+    assert [p for _, p in rows] == sorted((p for _, p in rows), reverse=True)
+
+
+def parse_row(row):
+    """"'<token>' <probability> <bar>" -> (token, probability); the bar is 30 blocks for 1."""
+    match = re.fullmatch(r"\s*(?P<text>'.*'|\".*\") (?P<p>\S+) *(?P<bar>█*)", row)
+    assert match, row
+    p = float(match["p"])
+    assert len(match["bar"]) == round(30 * p), row
+    return ast.literal_eval(match["text"]), p
 
 
 @pytest.mark.parametrize("system", [None, "You are terse. 🙂"])
