@@ -296,26 +296,27 @@ def reusable(cached_ids, prompt_ids):
     return n
 
 def top_tokens(logits, k):
-    """logits (vocab,) -> the k likeliest tokens: [(id, probability)], softmax at temperature 1."""
+    """logits (vocab,) -> the k likeliest tokens [(id, text, probability)], softmax at temperature 1."""
     probs = mx.softmax(logits.astype(mx.float32))                      # (vocab,)
-    top = mx.argsort(-probs)[:k]                                       # (k,) likeliest first
-    return list(zip(top.tolist(), probs[top].tolist()))
+    top = mx.argsort(-probs)[:k].tolist()                              # (k,) likeliest first
+    return [(t, TOK.decode([t], skip_special_tokens=False), probs[t].item()) for t in top]
 
 def logit_lens(hidden):
-    """hidden: x after each block, (1, D) each -> [(id, probability)] of the likeliest next token had
+    """hidden: x after each block, (1, D) each -> [(id, text, p)] of the likeliest next token had
     the model stopped there: through the final norm (else early blocks read as noise) and head."""
     return [top_tokens((rms_norm(x, W["model.norm.weight"], EPS) @ W["lm_head.weight"].T)[-1], 1)[0]
             for x in hidden]
 
 def explain(prompt_ids, cache, start):
     """--explain: the pipeline's steps for this prompt (run into the cache) -> its last logits."""
-    print("tokens:", ", ".join(f"{TOK.decode([token])!r} {token}" for token in prompt_ids))
+    texts = [TOK.decode([t], skip_special_tokens=False) for t in prompt_ids]  # <|im_start|> too
+    print("tokens:", ", ".join(f"{text!r} {t}" for text, t in zip(texts, prompt_ids)))
     print(f"embedding: {W['model.embed_tokens.weight'][mx.array(prompt_ids)].shape}")
     hidden = []
     logits = prefill(prompt_ids, cache, start, hidden)
-    print("the answer forming: the likeliest next token had the model stopped after block i")
-    for i, (token, p) in enumerate(logit_lens(hidden), 1):
-        print(f"{f'block {i}':>10} {TOK.decode([token])!r:>18} {p:<8.4f}{'█' * round(30 * p)}")
+    print("the answer forming: the likeliest next token after block i; then the model's top K")
+    for i, (_, text, p) in enumerate(logit_lens(hidden), 1):
+        print(f"{f'block {i}':>10} {text!r:>18} {p:<8.4f}{'█' * round(30 * p)}")
     return logits
 
 def model_folder(model):
@@ -375,8 +376,8 @@ def run(prompt_ids, args, cache, start=0, echo=""):
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
     if args.explain or args.show_probs:  # one more pass over the prompt: generate() makes its own
         logits = explain(prompt_ids, cache, start) if args.explain else prefill(prompt_ids, cache, start)
-        for token, p in top_tokens(logits, args.show_probs or 5):  # quoted: a leading " " shows
-            print(f"{TOK.decode([token])!r:>29} {p:<8.4g}{'█' * round(30 * p)}")  # a bar: 30 for 1
+        for _, text, p in top_tokens(logits, args.show_probs or 5):  # quoted: a leading " " shows
+            print(f"{text!r:>29} {p:<8.4g}{'█' * round(30 * p)}")  # and a bar, 30 blocks for 1
     print("=" * 10 + "\n" + echo, end="", flush=True)
     generated, tic, first = [], time.perf_counter(), None
     tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache, start)
@@ -413,8 +414,7 @@ def main(argv=None):
         prompt = chat_prompt([text], args.system, not args.no_think) if args.chat else text
         run(TOK.encode(prompt).ids, args, [None] * N_LAYERS, echo="" if args.chat else text)
         return
-    at_terminal = sys.stdin.isatty()  # a person types: say how to end, prompt each turn (as mlx_lm.chat)
-    if at_terminal:
+    if at_terminal := sys.stdin.isatty():  # a person types: say how to end; a prompt, as mlx_lm.chat
         print("Type a message and press Enter; an empty line or Ctrl-D ends the chat.", file=sys.stderr)
     turns, cache, cached_ids = [], [None] * N_LAYERS, []  # a conversation: one turn per line
     while True:  # until an empty line or the end of the input

@@ -1,8 +1,12 @@
 """The teaching features (issue 3): --show-probs, the chat template, the KV cache kept between
 chat turns, and the weights fetched on first run."""
 import ast
+import os
 import re
+import select
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,7 +30,7 @@ def test_show_probs_equal_softmax_of_mlx_lm(checkpoint, tokenizer):
     rows = [parse_row(row) for row in r.stdout.split("\n==========")[0].splitlines()[1:]]
     assert len(rows) == 6  # after the model summary
     for (shown, p), token in zip(rows, top):
-        assert shown == tokenizer.decode([token])  # quoted: spaces stay visible
+        assert shown == tokenizer.decode([token], skip_special_tokens=False)  # quoted: spaces show
         assert p == pytest.approx(probs[token].item(), rel=1e-3)  # 4 significant digits
     assert [p for _, p in rows] == sorted((p for _, p in rows), reverse=True)
 
@@ -209,3 +213,145 @@ def test_local_folder_never_downloads(tmp_path):
                     cwd=tmp_path)
         assert_error(r, "lacks config.json")
         assert "could not download" not in r.stderr
+
+
+# Issue 15: --explain, the logit lens, the KV cache's size.
+def test_lens_last_block_is_the_models_own_answer(checkpoint, tokenizer):
+    li.load(checkpoint())
+    ids = tokenizer.encode("The capital of France is").ids
+    hidden = []
+    li.prefill(ids, [None] * li.N_LAYERS, 0, hidden)
+    lens = li.logit_lens(hidden)
+    assert len(lens) == li.N_LAYERS and all(x.shape == (1, li.D) for x in hidden)
+    (token, text, p), *_ = li.top_tokens(li.prefill(ids, [None] * li.N_LAYERS), 5)  # --show-probs'
+    assert lens[-1][:2] == (token, text) and lens[-1][2] == pytest.approx(p, abs=1e-5)
+
+
+@pytest.mark.parametrize("init", ["unit", "realistic"])
+def test_lens_after_block_i_by_hand(checkpoint, tokenizer, init):
+    """After block i: the first i blocks run through transformer_block, then the final norm
+    (model.norm.weight) and the LM head, softmax; the likeliest token and its probability."""
+    li.load(checkpoint(init=init, num_hidden_layers=4))
+    ids = tokenizer.encode("Once upon a time 😀").ids
+    hidden = []
+    li.prefill(ids, [None] * li.N_LAYERS, 0, hidden)
+    x, cache = li.W["model.embed_tokens.weight"][mx.array(ids)], [None] * li.N_LAYERS
+    rope = li.rope_tables(mx.arange(len(ids)), x.dtype)
+    visible = mx.arange(len(ids))[None, :] <= mx.arange(len(ids))[:, None]
+    for i, (token, _, p) in enumerate(li.logit_lens(hidden)):
+        x = li.transformer_block(x, i, cache, 0, rope, visible)
+        probs = mx.softmax(li.rms_norm(x[-1], li.W["model.norm.weight"], li.EPS) @ li.W["lm_head.weight"].T)
+        assert token == mx.argmax(probs).item() and p == pytest.approx(probs[token].item(), abs=1e-5)
+    assert len({token for token, _, _ in li.logit_lens(hidden)}) > 1  # the blocks change the answer
+
+
+@pytest.mark.parametrize("stop", ["max_tokens", "eos"])
+def test_kv_cache_positions_and_bytes(checkpoint, tokenizer, capsys, stop):
+    """run() says how many new ids the cache holds: after --max-tokens all but the last one
+    (never run through the model: its position was never written), after an EOS all of them.
+    The bytes are the buffers' own: 3 layers x (keys + values) x 2 KV heads x 32 x 4 bytes."""
+    ids = tokenizer.encode("The capital of France is").ids
+    li.load(checkpoint())
+    free_run = list(li.generate(ids, max_tokens=8))
+    if stop == "eos":
+        li.load(checkpoint(eos_extra=[free_run[5]]))
+    cache, args = [None] * li.N_LAYERS, li.parse_args(["-m", "8"])
+    generated, ran = li.run(ids, args, cache)
+    held = len(ids) + ran
+    assert ran == (len(generated) - 1 if stop == "max_tokens" else len(generated))
+    assert generated == free_run[:len(generated)] and len(generated) == (8 if stop == "max_tokens" else 5)
+    fresh = [None] * li.N_LAYERS
+    mx.eval(li.forward(ids + generated[:ran], fresh, 0))
+    for (keys, values), (ref_keys, ref_values) in zip(cache, fresh):
+        assert rel_err(keys[:, :held], ref_keys[:, :held]) < 1e-5        # really in it
+        assert rel_err(values[:, :held], ref_values[:, :held]) < 1e-5
+        if stop == "max_tokens":
+            assert not mx.any(keys[:, held]).item()                       # never written
+    per_position = li.N_LAYERS * 2 * li.N_KV * li.HEAD_DIM * 4
+    assert li.cache_bytes(cache, held) == held * per_position
+    assert li.cache_bytes(cache) == sum(k.nbytes + v.nbytes for k, v in cache) == 256 * per_position
+    shown = capsys.readouterr().out
+    assert f"KV cache: {held} positions, {held * per_position / 1e6:.3f} MB " \
+           f"({256 * per_position / 1e6:.3f} MB allocated)" in shown
+
+
+def explained(stdout):
+    """--explain's output -> (tokens line, embedding line, lens rows, table rows)."""
+    lines = stdout.split("\n==========\n")[0].splitlines()[1:]  # after the model summary
+    tokens, embedding, heading, *rest = lines
+    lens = [line for line in rest if line.lstrip().startswith("block ")]
+    assert tokens.startswith("tokens: ") and embedding.startswith("embedding: ")
+    assert heading.startswith("the answer forming")
+    return tokens, embedding, lens, [parse_row(row) for row in rest[len(lens):]]
+
+
+@pytest.mark.parametrize("prompt", ["The capital of France is", "a", "日本の首都 😀 🇫🇷\nnew line"])
+def test_explain_end_to_end(checkpoint, tokenizer, prompt):
+    folder = checkpoint()
+    ids = tokenizer.encode(prompt).ids
+    r = run_cli("--model", str(folder), "--prompt", prompt, "--explain", "-m", "4")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    tokens, embedding, lens, table = explained(r.stdout)
+    assert tokens == "tokens: " + ", ".join(f"{tokenizer.decode([t], skip_special_tokens=False)!r} {t}"
+                                            for t in ids)
+    assert embedding == f"embedding: ({len(ids)}, 64)"
+    assert len(lens) == 3 and len(table) == 5  # 3 blocks; 5 rows when --show-probs gives no K
+    last = re.fullmatch(r"\s*block 3 +(?P<text>'.*'|\".*\") (?P<p>\S+) *█*", lens[-1])
+    assert (ast.literal_eval(last["text"]), float(last["p"])) == pytest.approx(table[0], abs=5e-5)
+    assert "\nKV cache: " in r.stdout and "==========\n" + prompt in r.stdout
+    if prompt == "a":
+        assert len(ids) == 1
+
+
+def test_explain_with_show_probs_k_and_in_a_conversation(checkpoint, tokenizer):
+    folder = checkpoint()
+    r = run_cli("--model", str(folder), "--prompt", "Once", "--explain", "--show-probs", "3", "-m", "2")
+    assert r.returncode == 0 and len(explained(r.stdout)[3]) == 3
+    r = run_cli("--model", str(folder), "--chat", "--explain", "-m", "3", stdin=b"Hello there\nAnd Japan?\n")
+    assert r.returncode == 0, r.stderr
+    turns = r.stdout.split("[KV cache: ")[1:]
+    news = [int(re.match(r"(\d+) tokens reused, (\d+) new", turn)[2]) for turn in turns]
+    for turn, new in zip(turns, news):  # each turn's walkthrough shows the tokens it computes
+        tokens = explained("\n" + turn.split("\n", 1)[1])[0]
+        assert len(re.findall(r"['\"] \d+(?=, |$)", tokens)) == new
+    held = [int(n) for n in re.findall(r"\nKV cache: (\d+) positions", r.stdout)]
+    assert len(held) == 2 and held[0] < held[1]  # the cache grows turn by turn
+
+
+# Issue 16: a conversation a person can hold in a terminal.
+HINT = "Type a message and press Enter; an empty line or Ctrl-D ends the chat."
+
+
+def test_conversation_at_a_terminal_says_what_to_do(checkpoint):
+    """Standard input is a terminal (a pseudo-terminal here): one hint on stderr before the
+    first turn, and the ">> " prompt before each turn, the last one ended by Ctrl-D."""
+    import pty
+    leader, follower = pty.openpty()
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, str(ROOT / "llm_inference.py"), "--model", str(checkpoint()),
+                          "--chat", "-m", "3"], stdin=follower, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    os.close(follower)
+    seen = b""
+    for k, typed in enumerate([b"Hello there\n", b"And Japan?\n", b"\x04"], 1):  # Ctrl-D ends it
+        while seen.count(b">> ") < k:  # the k-th prompt is up: type the k-th line
+            ready, _, _ = select.select([p.stdout], [], [], 30)
+            chunk = os.read(p.stdout.fileno(), 4096) if ready else b""
+            if not chunk:  # ended, or silent for 30 s: no prompt came
+                p.kill()
+                pytest.fail(f"no prompt {k}: {seen!r}")
+            seen += chunk
+        os.write(leader, typed)
+    out, err = p.communicate(timeout=60)
+    os.close(leader)
+    out = (seen + out).decode()
+    assert p.returncode == 0, err
+    assert err.decode().splitlines() == [HINT]
+    assert out.count(">> ") == 3 and out.count("[KV cache: ") == 2  # a prompt before each turn
+    assert out.index(">> ") < out.index("[KV cache: ")
+
+
+def test_conversation_through_a_pipe_has_no_hint_nor_prompt(checkpoint):
+    r = run_cli("--model", str(checkpoint()), "--chat", "-m", "3", stdin=b"Hello there\nAnd Japan?\n")
+    assert r.returncode == 0 and r.stderr == ""
+    assert ">>" not in r.stdout and r.stdout.count("[KV cache: ") == 2
