@@ -314,6 +314,7 @@ def test_explain_with_show_probs_k_and_in_a_conversation(checkpoint, tokenizer):
     for turn, new in zip(turns, news):  # each turn's walkthrough shows the tokens it computes
         tokens = explained("\n" + turn.split("\n", 1)[1])[0]
         assert len(re.findall(r"['\"] \d+(?=, |$)", tokens)) == new
+        assert f"'<|im_start|>' {tokenizer.token_to_id('<|im_start|>')}, " in tokens  # shown by name
     held = [int(n) for n in re.findall(r"\nKV cache: (\d+) positions", r.stdout)]
     assert len(held) == 2 and held[0] < held[1]  # the cache grows turn by turn
 
