@@ -87,7 +87,7 @@ def attend(q, k, v, visible):
     H, L, hd = q.shape
     groups = q.reshape(k.shape[0], H // k.shape[0], L, hd)                     # (8, 2, L, 128)
     scores = groups @ k[:, None].swapaxes(-1, -2)                              # (8, 2, L, S)
-    scores = masked_scores(scores, visible, math.sqrt(q.shape[-1]))           # (8, 2, L, S) float32
+    scores = masked_scores(scores, visible, math.sqrt(hd))                     # (8, 2, L, S) float32
     weights = mx.softmax(scores, axis=-1).astype(v.dtype)                      # (8, 2, L, S)
     return (weights @ v[:, None]).reshape(q.shape)                             # (16, L, 128)
 
