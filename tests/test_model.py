@@ -10,7 +10,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
@@ -140,12 +139,6 @@ def test_long_context_with_cache(checkpoint, tokenizer):
     rows = [li.forward(ids[:300], cache, 0), li.forward(ids[300:390], cache, 300)]
     rows += [li.forward([t], cache, p) for p, t in enumerate(ids[390:], 390)]
     assert rel_err(mx.concatenate(rows), ref) < 1e-4
-
-
-def reference_greedy(folder, ids, n):
-    model, _ = load_model(Path(folder))
-    steps = generate_step(mx.array(ids), model, max_tokens=n)  # default sampler: argmax
-    return [int(t) for t, _ in steps]
 
 
 MANTISSA_BITS = {mx.bfloat16: 7, mx.float16: 10, mx.float32: 23}
