@@ -1,11 +1,8 @@
-"""Qwen3 inference from scratch: MLX arrays and the `tokenizers` library, nothing else.
-
-Read it top to bottom; it follows the data: text -> token ids -> embeddings -> N transformer
-blocks (RMSNorm, attention with RoPE and a KV cache, SwiGLU feed-forward) -> logits -> next token.
-The model is sections 0-8, up to generate(); section 9 serves it (checks, download, chat, CLI).
-One sequence, no batch; shapes are Qwen3-0.6B's (S = tokens so far, L = tokens in this call).
-MLX is lazy: each mx.* call only records a graph; work happens when a value is needed (mx.eval).
-"""
+"""Qwen3 from scratch: MLX arrays and the `tokenizers` library, nothing else.
+Steps 1-9 are the nine steps of the article "Inside an LLM: Pure Python Inference for Qwen3-0.6B on
+MLX", in its order, with a comment wherever the code departs from it. After generate(): what the
+article leaves out (quantised weights, Qwen3.5), then file checks, download, chat, command line.
+One sequence, no batch; shapes are Qwen3-0.6B's. MLX is lazy: mx.* records, mx.eval computes."""
 import argparse, json, math, os, re, signal, sys, time  # noqa: E401 (standard library)
 from functools import partial
 from pathlib import Path
@@ -14,7 +11,7 @@ import mlx.core as mx
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-# ═══ 0. Load: config, weights W, tokenizer — the recipe, the ingredients, the dictionary ═══
+# ═══ Before Step 1: the recipe, the ingredients, the dictionary ═══
 W = {}           # Hugging Face tensor name -> array, e.g. W["model.norm.weight"] (1024,)
 TOK = None       # tokenizers.Tokenizer from tokenizer.json: text <-> token ids
 D = 0            # 1024   hidden_size: width of the residual stream
@@ -26,254 +23,330 @@ EPS = 0.0        # 1e-6   rms_norm_eps
 THETA = 0.0      # 1e6    rope_theta: base of RoPE's rotation frequencies
 MAX_POS = 0      # 40960  max_position_embeddings: the longest context
 EOS_IDS = set()  # {151645 <|im_end|>, 151643 <|endoftext|>}: generation stops on any of them
+GROW = 256       # the KV cache's buffers grow by this many positions at a time (Step 5)
+CHUNK = 512      # a long prompt goes through the model this many tokens at a time (Step 9)
 
 def load(model_dir, dtype=None):
-    """config.json (+ generation_config.json) -> the constants above; *.safetensors -> W; tokenizer.json
-    -> TOK; each checked in section 9. dtype: compute in it (mx.float32), not the checkpoint's."""
+    """A model folder -> the constants above, W and TOK. dtype: compute in it, not the weights'."""
     global W, TOK, D, N_LAYERS, N_HEADS, N_KV, HEAD_DIM, EPS, THETA, MAX_POS, EOS_IDS
-    folder = Path(model_dir)
-    cfg, EOS_IDS = read_configs(folder)  # the entries below, each checked; EOS ids of both files
+    cfg = read_configs(model_dir)  # config.json, generation_config.json: checked (after generate())
     D, N_LAYERS, HEAD_DIM = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
     N_HEADS, N_KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     EPS, THETA, MAX_POS = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["max_position_embeddings"]
-    W = {}
-    for f in sorted(folder.glob("*.safetensors")) or [folder / "model.safetensors"]:  # or shards
-        tensors = read(f, mx.load, "a complete safetensors file")  # lazy: maps, reads on use
-        W.update({name: w.astype(dtype or w.dtype) for name, w in tensors.items()})
-    if cfg["tie_word_embeddings"] or "lm_head.weight" not in W:
-        W["lm_head.weight"] = W.get("model.embed_tokens.weight")  # tied: one matrix reads and writes
-    W = checked_shapes(W, cfg, folder)  # only the tensors the model uses, each of the right shape
-    mx.eval(W)  # read every weight now, so that generation times only generation
-    TOK = read_tokenizer(folder, cfg["vocab_size"])  # its ids must fit the embedding's rows
+    EOS_IDS = cfg["eos_ids"]  # config.json's and generation_config.json's
+    W = read_weights(model_dir, cfg, dtype)  # each tensor the model uses, of its right shape
+    TOK = read_tokenizer(model_dir, cfg)  # every id a row of the embedding table
     return cfg
 
-# ═══ 1. RMSNorm — turn the volume to a standard level, then apply a learned per-channel gain ═══
-# @mx.compile: MLX traces once per input shape and fuses the element-wise steps into one kernel,
-# the math as written. A trace keeps the Python values it read, so eps comes in as an argument.
+# ═══ Step 1. Tokenize — text becomes ids, numbers in the model's own dictionary ═══
+def tokenize(text):
+    """Text -> token ids: "The capital of France is" -> [785, 6722, 315, 9625, 374]."""
+    return TOK.encode(text).ids
+
+# ═══ Step 2. Embed — each id picks its row of a table: the token's meaning, before context ═══
+def embed(token_ids):
+    """L ids -> (L, D): row i of model.embed_tokens.weight (151936, 1024) for id i."""
+    return W["model.embed_tokens.weight"][mx.array(token_ids)]        # (L, 1024)
+
+# ═══ Step 3. RMSNorm — turn the volume to a standard level, then a learned gain per channel ═══
+# @mx.compile, here and below: MLX traces the function once per input shape and fuses its
+# element-wise steps into one kernel. Delete it and you get the same numbers, more slowly.
 @mx.compile
 def rms_norm(x, w, eps):
-    """x: (..., n), w: (n,) -> (..., n). x / sqrt(mean(x^2) + eps) * w.
-    float32 for the mean of squares: bfloat16 keeps 8 bits of mantissa and the sum drifts."""
-    x32 = x.astype(mx.float32)                                                  # (..., n)
-    x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)     # (..., n)
-    return w * x32.astype(x.dtype)                                              # (..., n)
+    """x: (..., n), w: (n,) -> x / sqrt(mean(x^2) + eps) * w, the mean in float32 (the article's,
+    in bfloat16, drifts). eps is an argument: a compiled trace keeps the Python values it read."""
+    x32 = x.astype(mx.float32)                                        # (..., n)
+    x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # (..., n)
+    return w * x32.astype(x.dtype)                                    # (..., n)
 
-# ═══ 2. RoPE — a clock hand per pair of dimensions, turned by the token's position ═══
-def rope_tables(positions, dtype):
-    """positions: (L,) -> cos, sin: (L, HEAD_DIM), built once per forward pass for every layer.
-    "Rotate-half": dimension i pairs with i + hd/2 and turns by angle pos * THETA^(-2i/hd)."""
-    inv_freq = THETA ** (-mx.arange(0, HEAD_DIM // 2, dtype=mx.float32) * 2 / HEAD_DIM)  # (64,)
-    angles = positions.astype(mx.float32)[:, None] * inv_freq[None, :]         # (L, 64) float32
-    # In the activation dtype: float32 tables would promote q, k, the cache, the whole model.
-    cos, sin = mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype)      # (L, 64)
-    return mx.concatenate([cos, cos], -1), mx.concatenate([-sin, sin], -1)     # (L, 128): signs
+# ═══ Step 4. RoPE — a clock hand per pair of dimensions, turned by the token's position ═══
+def rope_tables(positions, dtype, dims=None):
+    """positions (L,) -> cos, signed_sin (L, 1, 128) for the first dims (all) of a head, once per
+    forward() (the article: in every layer), in the model's dtype (the article's float32 tables
+    promote q, k and from there the whole model to float32). Pair i turns by position * f_i."""
+    half = (dims or HEAD_DIM) // 2
+    inv_freq = 1.0 / THETA ** (mx.arange(half, dtype=mx.float32) / half)  # (64,) f_i
+    angles = positions.astype(mx.float32)[:, None, None] * inv_freq   # (L, 1, 64) float32
+    cos, sin = mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype)  # (L, 1, 64) each
+    return mx.concatenate([cos, cos], -1), mx.concatenate([-sin, sin], -1)  # (L, 1, 128) each
 
 @mx.compile
-def apply_rope(x, cos, sin):
-    """x: (heads, L, hd) -> rotated. Each pair (x1, x2) = (x[i], x[i + hd/2]) becomes
-    (x1 cos - x2 sin, x2 cos + x1 sin): x * cos + (x2, x1) * (-sin, +sin)."""
+def apply_rope(x, cos, signed_sin):
+    """x: (L, heads, hd) -> each pair (x1, x2) = (x[i], x[i + hd/2]) turned by its angle: (x1 cos -
+    x2 sin, x2 cos + x1 sin). The article: x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1);
+    here the minus sits in the table, so a turn is one swap and one fused kernel. Same numbers."""
     half = x.shape[-1] // 2
-    swapped = mx.concatenate([x[..., half:], x[..., :half]], axis=-1)          # (heads, L, 128)
-    return x * cos + swapped * sin                                              # (heads, L, 128)
+    swapped = mx.concatenate([x[..., half:], x[..., :half]], axis=-1)  # (L, heads, 128) (x2, x1)
+    return x * cos + swapped * signed_sin                             # (L, heads, 128)
 
-# ═══ 3. Grouped-query attention — every token asks, earlier tokens answer; 2 askers share a key ═══
-@partial(mx.compile, shapeless=True)  # one trace for all L and S: nothing here depends on them
-def masked_scores(scores, visible, sqrt_hd):  # float32 for the softmax; -inf where not visible
-    return mx.where(visible, scores.astype(mx.float32) / sqrt_hd, -mx.inf)     # (..., L, S)
+# ═══ Step 5. Grouped-query attention — every token asks, earlier ones answer; 2 askers share ═══
+def attention(x, layer_idx, cache, start, rope, visible):
+    """x: (L, D) at positions start.. -> (L, D). rope: RoPE's tables; visible: (L, S) keys seen."""
+    p = f"model.layers.{layer_idx}.self_attn."
+    q = (x @ W[p + "q_proj.weight"].T).reshape(-1, N_HEADS, HEAD_DIM)  # (L, 16, 128) split heads
+    k = (x @ W[p + "k_proj.weight"].T).reshape(-1, N_KV, HEAD_DIM)     # (L, 8, 128)
+    v = (x @ W[p + "v_proj.weight"].T).reshape(-1, N_KV, HEAD_DIM)     # (L, 8, 128)
+    q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm: each head of q
+    k = rms_norm(k, W[p + "k_norm.weight"], EPS)                      # and of k, before RoPE
+    q = apply_rope(q, *rope)                                          # (L, 16, 128)
+    k = apply_rope(k, *rope)                                          # (L, 8, 128)
+    keys, values = cache_write(cache, layer_idx, k, v, start)         # (8, S, 128) each
+    out = attend(q, keys, values, visible)                            # (L, 2048) heads merged
+    return out @ W[p + "o_proj.weight"].T                             # (L, 1024)
+
+def cache_write(cache, layer_idx, k, v, start):
+    """k, v (L, KV, hd) -> this layer's keys and values so far, (KV, S, hd). The article copies the
+    cache onto a new one with each token; here MLX writes it into buffers with room to spare."""
+    end = start + k.shape[0]
+    if cache[layer_idx] is None:                                      # this layer's first call
+        empty = mx.zeros((k.shape[1], 0, k.shape[2]), k.dtype)        # (8, 0, 128)
+        cache[layer_idx] = (empty, empty)
+    keys, values = cache[layer_idx]
+    if keys.shape[1] < end:                                           # full: GROW more positions
+        more = mx.zeros((k.shape[1], -(-end // GROW) * GROW - keys.shape[1], k.shape[2]), k.dtype)
+        keys = mx.concatenate([keys, more], axis=1)                   # (8, 256, 128), (8, 512, ..
+        values = mx.concatenate([values, more], axis=1)
+    keys[:, start:end] = k.transpose(1, 0, 2)                         # positions start..end-1
+    values[:, start:end] = v.transpose(1, 0, 2)
+    cache[layer_idx] = (keys, values)
+    return keys[:, :end], values[:, :end]                             # (8, S, 128), S = end
 
 def attend(q, k, v, visible):
-    """q: (H, L, hd), k, v: (KV, S, hd), visible: (L, S) -> (H, L, hd): softmax(q k^T / sqrt(hd)) v.
-    GQA without copying K and V: the H query heads as KV groups; a group shares a head."""
-    H, L, hd = q.shape
-    groups = q.reshape(k.shape[0], H // k.shape[0], L, hd)                     # (8, 2, L, 128)
-    scores = groups @ k[:, None].swapaxes(-1, -2)                              # (8, 2, L, S)
-    scores = masked_scores(scores, visible, math.sqrt(hd))                     # (8, 2, L, S) float32
-    weights = mx.softmax(scores, axis=-1).astype(v.dtype)                      # (8, 2, L, S)
-    return (weights @ v[:, None]).reshape(q.shape)                             # (16, L, 128)
+    """q: (L, H, hd), k, v: (KV, S, hd) -> (L, H * hd): softmax(q k^T / sqrt(hd)) v per head. The
+    article repeats each KV head for its 2 query heads (mx.repeat copies K and V); viewing the 16
+    query heads as 8 groups of 2 pairs them the same way (query head h reads KV head h // 2)."""
+    L, H, hd = q.shape
+    groups = q.transpose(1, 0, 2).reshape(k.shape[0], H // k.shape[0], L, hd)  # (8, 2, L, 128)
+    scores = groups @ k[:, None].swapaxes(-1, -2)                     # (8, 2, L, S)
+    scores = masked_scores(scores, visible, math.sqrt(hd))            # (8, 2, L, S) float32
+    probs = mx.softmax(scores, axis=-1).astype(v.dtype)               # (8, 2, L, S) rows sum to 1
+    out = probs @ v[:, None]                                          # (8, 2, L, 128)
+    return out.reshape(H, L, hd).transpose(1, 0, 2).reshape(L, H * hd)  # (L, 2048)
 
-def attention(x, layer_idx, cache, start, rope, visible):
-    """x: (L, D) at positions start.. -> (L, D); rope, visible: from forward(). cache[layer_idx]:
-    None, or buffers (keys, values) whose first `start` positions hold earlier tokens; L more."""
-    p = f"model.layers.{layer_idx}.self_attn."
-    L, end = x.shape[0], start + x.shape[0]
-    q = (x @ W[p + "q_proj.weight"].T).reshape(L, N_HEADS, HEAD_DIM)   # (L, 16, 128)
-    k = (x @ W[p + "k_proj.weight"].T).reshape(L, N_KV, HEAD_DIM)      # (L, 8, 128)
-    v = (x @ W[p + "v_proj.weight"].T).reshape(L, N_KV, HEAD_DIM).transpose(1, 0, 2)  # (8, L, 128)
-    # QK-norm: Qwen3 RMS-normalises every 128-dim head of q and k before RoPE.
-    q = apply_rope(rms_norm(q, W[p + "q_norm.weight"], EPS).transpose(1, 0, 2), *rope)  # (16, L, 128)
-    k = apply_rope(rms_norm(k, W[p + "k_norm.weight"], EPS).transpose(1, 0, 2), *rope)  # (8, L, 128)
-    # KV cache: buffers grown 256 positions at a time, each token written in place (no copy of the rest).
-    keys, values = cache[layer_idx] or (k[:, :0], v[:, :0])           # (8, room, 128)
-    if keys.shape[1] < end:                                            # full: make room for more
-        more = mx.zeros((N_KV, (end + 255) // 256 * 256 - keys.shape[1], HEAD_DIM), k.dtype)
-        keys, values = mx.concatenate([keys, more], 1), mx.concatenate([values, more], 1)
-    keys[:, start:end] = k                                             # write positions start..end-1
-    values[:, start:end] = v                                           # in place: no copy
-    cache[layer_idx] = (keys, values)
-    out = attend(q, keys[:, :end], values[:, :end], visible)           # (16, L, 128), S = end
-    return out.transpose(1, 0, 2).reshape(L, N_HEADS * HEAD_DIM) @ W[p + "o_proj.weight"].T  # (L, 1024)
+@partial(mx.compile, shapeless=True)  # one trace for every L and S
+def masked_scores(scores, visible, sqrt_hd):
+    """The article adds triu(-1e9): wrong once the cache holds tokens (the triangle must shift by
+    them), and -1e9 overflows float16. Here, -inf where a key is not visible: probability 0."""
+    return mx.where(visible, scores.astype(mx.float32) / sqrt_hd, -mx.inf)  # (..., L, S) float32
 
-# ═══ 4. SwiGLU feed-forward — a gate decides how much of each of 3072 features passes ═══
+# ═══ Step 6. SwiGLU feed-forward — a gate decides how much of each of 3072 features passes ═══
 @mx.compile
-def swiglu(gate, up):  # (L, 3072) each: silu(gate) * up, where silu(g) = g * sigmoid(g)
+def swiglu(gate, up):  # (L, 3072) each -> silu(gate) * up, where silu(g) = g * sigmoid(g)
     return gate * mx.sigmoid(gate) * up
 
 def ffn(x, layer_idx):
-    """x: (L, D) -> (L, D). down( silu(gate(x)) * up(x) )."""
+    """x: (L, D) -> (L, D): down( silu(gate(x)) * up(x) )."""
     p = f"model.layers.{layer_idx}.mlp."
-    gate = x @ W[p + "gate_proj.weight"].T                             # (L, 3072)
-    up = x @ W[p + "up_proj.weight"].T                                 # (L, 3072)
-    return swiglu(gate, up) @ W[p + "down_proj.weight"].T              # (L, 1024)
+    gate = x @ W[p + "gate_proj.weight"].T                            # (L, 3072)
+    up = x @ W[p + "up_proj.weight"].T                                # (L, 3072)
+    return swiglu(gate, up) @ W[p + "down_proj.weight"].T             # (L, 1024)
 
-# ═══ 5. Transformer block — normalise, attend, add; normalise, think, add ═══
+# ═══ Step 7. The transformer block — normalise, attend, add; normalise, think, add ═══
 def transformer_block(x, layer_idx, cache, start, rope, visible):
-    """x: (L, D) -> (L, D). Pre-norm with two residual connections."""
+    """x: (L, D) -> (L, D). Pre-norm, a residual connection around each half."""
     p = f"model.layers.{layer_idx}."
-    x = x + attention(rms_norm(x, W[p + "input_layernorm.weight"], EPS), layer_idx, cache, start,
-                      rope, visible)
-    return x + ffn(rms_norm(x, W[p + "post_attention_layernorm.weight"], EPS), layer_idx)  # (L, 1024)
+    h = rms_norm(x, W[p + "input_layernorm.weight"], EPS)             # (L, 1024)
+    x = x + attention(h, layer_idx, cache, start, rope, visible)      # (L, 1024)
+    h = rms_norm(x, W[p + "post_attention_layernorm.weight"], EPS)    # (L, 1024)
+    x = x + ffn(h, layer_idx)                                         # (L, 1024)
+    return x
 
-# ═══ 6. Forward — ids in, one score per vocabulary entry out, for every position ═══
-def forward(token_ids, cache, start_pos, hidden=None):
-    """token_ids: L ids (ints or an int array) at positions start_pos.. -> logits (L, vocab). cache:
-    one entry per layer ([None] * N_LAYERS to start); hidden: a list for x after every block."""
-    x = W["model.embed_tokens.weight"][mx.array(token_ids)]            # (L, 1024)
-    end = start_pos + x.shape[0]                                       # S: positions after this call
-    positions = mx.arange(start_pos, end)                              # (L,)
-    rope = rope_tables(positions, x.dtype)                             # cos, sin: (L, 128) each
-    visible = mx.arange(end)[None, :] <= positions[:, None]            # (L, S) causal: key <= query
+# ═══ Step 8. LM head and sampling — a score for every token, then pick the next one ═══
+def lm_head(x):
+    """x: (L, D) -> logits (L, vocab): the final RMSNorm, then a score per row of lm_head.weight."""
+    x = rms_norm(x, W["model.norm.weight"], EPS)                      # (L, 1024)
+    return x @ W["lm_head.weight"].T                                  # (L, 151936) (0.6B: tied)
+
+def forward(token_ids, cache, start, hidden=None):
+    """L ids at positions start.. -> logits (L, vocab): Steps 2-8. cache: one entry per layer,
+    [None] * N_LAYERS to begin; hidden: a list that receives x after each block."""
+    x = embed(token_ids)                                              # (L, 1024)
+    end = start + x.shape[0]                                          # S: positions after this call
+    positions = mx.arange(start, end)                                 # (L,)
+    rope = rope_tables(positions, x.dtype)                            # (L, 1, 128) each
+    visible = mx.arange(end)[None, :] <= positions[:, None]           # (L, S) key <= query
     for i in range(N_LAYERS):
-        x = transformer_block(x, i, cache, start_pos, rope, visible)  # (L, 1024)
+        x = transformer_block(x, i, cache, start, rope, visible)      # (L, 1024)
         if hidden is not None:
             hidden.append(x)
-    x = rms_norm(x, W["model.norm.weight"], EPS)                       # (L, 1024)
-    return x @ W["lm_head.weight"].T                                   # (L, 151936)
+    return lm_head(x)                                                 # (L, 151936)
 
-# ═══ 7. Sampling — pick the next token: the favourite, or a weighted draw from the front-runners ═══
 def sample(logits, temperature=0.0, top_p=1.0):
-    """logits: (vocab,) -> token id (0-d array). temperature 0 = greedy (argmax); else softmax(logits
-    / T) over the fewest tokens whose probabilities sum to top_p (the nucleus), in float32."""
+    """logits (vocab,) (or (L, vocab): its last row) -> the next id. temperature 0: the likeliest.
+    Else softmax(logits / T) over the fewest likeliest tokens whose probabilities reach top_p, in
+    float32. The article returns an int and slices the nucleus off; this returns a lazy 0-d array
+    (.item() reads it) and masks, so generate() can queue the next step before values exist."""
+    logits = logits.reshape(-1, logits.shape[-1])[-1]                 # (vocab,)
     if temperature == 0:
-        return mx.argmax(logits)
-    logits = logits.astype(mx.float32)                                 # (vocab,)
-    logits = (logits - logits.max()) / temperature                     # (vocab,) max is 0: no overflow
-    probs = mx.softmax(logits)                                         # (vocab,)
-    order = mx.argsort(-probs)                                         # (vocab,) most likely first
-    sorted_p = probs[order]                                            # (vocab,)
-    mass_before = mx.cumsum(sorted_p) - sorted_p                       # (vocab,) mass of likelier ones
-    keep = mass_before < top_p                                         # (vocab,) always keeps the top
-    masked = mx.where(keep, logits[order], -mx.inf)                    # (vocab,)
-    return order[mx.random.categorical(masked)]                        # () a token id
+        return mx.argmax(logits)                                      # ()
+    logits = logits.astype(mx.float32) / temperature                  # (vocab,) temperature first
+    probs = mx.softmax(logits)                                        # (vocab,)
+    order = mx.argsort(-probs)                                        # (vocab,) likeliest first
+    sorted_probs = probs[order]                                       # (vocab,)
+    mass_before = mx.cumsum(sorted_probs, inclusive=False)            # (vocab,) of likelier ones
+    keep = mass_before < top_p                                        # (vocab,) the top one always
+    masked = mx.where(keep, logits[order], -mx.inf)                   # (vocab,)
+    return order[mx.random.categorical(masked)]                       # ()
 
-# ═══ 8. Generate — read the prompt once, then write one token at a time ═══
+# ═══ Step 9. Generate — read the prompt once, then write one token at a time ═══
 def prefill(prompt_ids, cache, start=0, hidden=None):
-    """Run the prompt in at positions start.. -> logits (vocab,) of its last token, lazy (hidden: see
-    forward). The rest only fill the cache, 512 at a time: MLX computes what mx.eval asks, no logits."""
+    """Run the prompt into the cache at positions start.. -> its last token's logits (vocab,). The
+    article computes every token's logits; here the others only fill the cache, CHUNK at a time."""
     *head, last = prompt_ids
-    for i in range(0, len(head), 512):
-        forward(head[i:i + 512], cache, start + i)
+    for i in range(0, len(head), CHUNK):
+        forward(head[i:i + CHUNK], cache, start + i)
         mx.eval(cache)
     return forward([last], cache, start + len(head), hidden)[-1]      # (vocab,)
 
-def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None, start=0):
-    """Yield up to max_tokens ids (ints) after prompt_ids; stop before any EOS id and at the context
-    limit. cache, start: an earlier call's cache, and how many of its positions to keep."""
-    cache = cache if cache is not None else [None] * N_LAYERS          # one (keys, values) per layer
-    token = sample(prefill(prompt_ids, cache, start), temperature, top_p)  # () lazy: nothing ran
-    end = min(start + len(prompt_ids) + max_tokens, MAX_POS)           # never past the context
-    for pos in range(start + len(prompt_ids), end):
-        upcoming = None
-        if pos + 1 < end:  # queue the next step before waiting for this token: the device
-            logits = forward(token[None], cache, pos)[-1]              # computes it while Python
-            upcoming = sample(logits, temperature, top_p)              # checks and prints this one
-            mx.async_eval(upcoming)                                    # (async_eval returns at once)
-        if (token_id := token.item()) in EOS_IDS:                      # .item() waits for the value
+def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None, start=0,
+             logits=None):
+    """Yield up to max_tokens ids after prompt_ids; stop before any EOS id and at the context's end.
+    cache, start: an earlier cache and how many positions of it to keep; logits: the prompt's last,
+    if prefill() ran it in already. On return the cache holds the prompt and every id yielded."""
+    if isinstance(prompt_ids, str):  # the article's generate() takes text and returns text
+        raise TypeError("generate() takes ids: TOK.decode(list(generate(tokenize(text))))")
+    cache = [None] * N_LAYERS if cache is None else cache
+    if logits is None:
+        logits = prefill(prompt_ids, cache, start)                    # (vocab,) lazy
+    first = start + len(prompt_ids)                                   # the position of token 1
+    token = sample(logits, temperature, top_p)                        # () lazy: nothing ran yet
+    for pos in range(first, min(first + max_tokens, MAX_POS)):       # never past the context
+        before = list(cache)                                          # the cache up to pos - 1
+        logits = forward(token[None], cache, pos)[-1]                 # (vocab,) the next step,
+        upcoming = sample(logits, temperature, top_p)                 # built and queued before
+        if pos + 1 < min(first + max_tokens, MAX_POS):  # this token is known: the article waits
+            mx.async_eval(upcoming)                     # for each token, MLX idling meanwhile
+        if token.item() in EOS_IDS:  # it went into the cache ahead: take it out (a KV cache
+            cache[:] = before        # would ignore it; a recurrent state has absorbed it)
             return
-        yield token_id
+        yield token.item()
         token = upcoming
 
-# ═══ 9. Around the model, which ends above: the files checked, the download, chat, command line ═══
-HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
-FILES = "config.json generation_config.json tokenizer.json tokenizer_config.json model.safetensors"
+# ═══ After generate(): serving the model — errors, file checks, download, chat, command line ═══
+class UserError(Exception):
+    """A problem with the user's flags, files or numbers: the command line prints it as one line."""
 
-def read(path, parse=lambda name: json.loads(Path(name).read_text()), what="valid JSON"):
-    """parse(path), by default as JSON; a file missing, unreadable or broken raises one error."""
+HERE = Path(__file__).resolve().parent
+REPO = "Qwen/Qwen3-0.6B"
+FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+         "model.safetensors"]
+
+def read_file(path, parse, what):
+    """parse(path) -> what it returns; a file missing, unreadable or broken raises UserError."""
     path = Path(path)
     if path.parent.is_file():
-        raise NotADirectoryError(f"{path.parent} is a file, not a folder (a model is a folder)")
+        raise UserError(f"{path.parent} is a file, not a folder (a model is a folder)")
     if not path.exists():
-        raise FileNotFoundError(f"{path.parent} lacks {path.name}. Get the model: "
-                                f"hf download {REPO} {FILES} --local-dir {path.parent}")
+        raise UserError(f"{path.parent} lacks {path.name}. Get the model: hf download {REPO} "
+                        f"{' '.join(FILES)} --local-dir {path.parent}")
     try:
-        open(path, "rb").close()  # a folder, or a file that this user may not read?
-        return parse(str(path))
+        open(path, "rb").close()  # a folder, or a file this user may not read?
     except OSError as e:
-        raise OSError(f"{path} cannot be read: {(e.strerror or str(e)).lower()}") from None
-    except Exception as e:
-        raise ValueError(f"{path} is not {what} ({e})") from None
+        raise UserError(f"{path} cannot be read: {(e.strerror or str(e)).lower()}") from None
+    try:
+        return parse(str(path))
+    except Exception as e:  # whatever the parser says of this file, it is not what we need
+        raise UserError(f"{path} is not {what} ({e})") from None
 
-COUNT = ("a whole number of 1 or more", lambda v: type(v) is int and v >= 1)
-POSITIVE = ("a number more than 0", lambda v: type(v) in (int, float) and v > 0)
-CONFIG = {  # every config.json entry that load() reads -> what it must be
-    "model_type": ('"qwen3" (this script runs dense Qwen3 models only)', lambda v: v == "qwen3"),
-    **dict.fromkeys(["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "vocab_size", "max_position_embeddings"], COUNT),
-    "head_dim": ("an even whole number (RoPE turns pairs)", lambda v: COUNT[1](v) and v % 2 == 0),
-    "rms_norm_eps": POSITIVE, "rope_theta": POSITIVE,
-    "tie_word_embeddings": ("true or false", lambda v: type(v) is bool),
-    "eos_token_id": ("a token id, a list of them or null", lambda v: v is None or all(
-        type(i) is int and i >= 0 for i in (v if isinstance(v, list) else [v])))}
+def parse_json(path):
+    return json.loads(Path(path).read_text())
 
-def read_configs(folder):
-    """-> config.json's CONFIG entries, checked, and its and generation_config.json's EOS ids."""
-    path, gen_path = folder / "config.json", folder / "generation_config.json"
-    cfg, gen = read(path), read(gen_path) if gen_path.exists() else {}
+KINDS = {"count": "a whole number of 1 or more", "even": "an even whole number (RoPE turns pairs)",
+         "positive": "a number more than 0", "bool": "true or false",
+         "ids": "a token id, a list of them or null"}
+CONFIG = {  # each config.json entry that load() reads -> the kind of value it must hold
+    "model_type": "qwen3", "hidden_size": "count", "intermediate_size": "count",
+    "num_hidden_layers": "count", "num_attention_heads": "count", "num_key_value_heads": "count",
+    "vocab_size": "count", "max_position_embeddings": "count", "head_dim": "even",
+    "rms_norm_eps": "positive", "rope_theta": "positive", "tie_word_embeddings": "bool",
+    "eos_token_id": "ids"}
+
+def fits(value, kind):
+    """Does a config value have the kind that CONFIG names?"""
+    if kind in ("count", "even"):
+        return type(value) is int and value >= 1 and (kind == "count" or value % 2 == 0)
+    if kind == "positive":
+        return type(value) in (int, float) and value > 0
+    if kind == "bool":
+        return type(value) is bool
+    if kind == "ids":
+        ids = value if isinstance(value, list) else [value]
+        return value is None or all(type(i) is int and i >= 0 for i in ids)
+    return value == kind  # model_type
+
+def read_configs(model_dir):
+    """config.json's CONFIG entries, each checked; "eos_ids": its and generation_config.json's."""
+    path, gen_path = Path(model_dir) / "config.json", Path(model_dir) / "generation_config.json"
+    cfg = read_file(path, parse_json, "valid JSON")
+    gen = read_file(gen_path, parse_json, "valid JSON") if gen_path.exists() else {}
     for file, data in [(path, cfg), (gen_path, gen)]:
         if not isinstance(data, dict):
-            raise ValueError(f"{file} must hold a JSON object {{...}}, not {json.dumps(data)[:40]}")
+            raise UserError(f"{file} must hold a JSON object {{...}}, not {json.dumps(data)[:40]}")
     nested = cfg.get("rope_parameters")  # transformers 5 writes rope_theta in there
-    cfg = {"tie_word_embeddings": False, "eos_token_id": None,  # absent: as transformers reads them
-           **(nested if isinstance(nested, dict) else {}), **cfg}
-    for file, data, names in [(path, cfg, CONFIG), (gen_path, gen, {"eos_token_id"} & gen.keys())]:
-        for name in names:
-            what, ok = CONFIG[name]
-            if name not in data:
-                raise ValueError(f"{file} has no '{name}' entry")
-            if not ok(data[name]):
-                raise ValueError(f"{file}: {name} must be {what}, not {json.dumps(data[name])}")
+    if isinstance(nested, dict) and "rope_theta" not in cfg:
+        cfg = {**cfg, "rope_theta": nested.get("rope_theta")}
+    cfg = {"tie_word_embeddings": False, "eos_token_id": None, **cfg}  # transformers' defaults
+    for name, kind in CONFIG.items():
+        if name not in cfg:
+            raise UserError(f"{path} has no '{name}' entry")
+        if not fits(cfg[name], kind):
+            what = KINDS.get(kind, f'"{kind}" (this script runs dense Qwen3 models)')
+            raise UserError(f"{path}: {name} must be {what}, not {json.dumps(cfg[name])}")
+    if "eos_token_id" in gen and not fits(gen["eos_token_id"], "ids"):
+        raise UserError(f"{gen_path}: eos_token_id must be {KINDS['ids']}, "
+                        f"not {json.dumps(gen['eos_token_id'])}")
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
-        raise ValueError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
-    eos = [e if isinstance(e, list) else [e] for e in (cfg["eos_token_id"], gen.get("eos_token_id"))]
-    return {name: cfg[name] for name in CONFIG}, {i for e in eos for i in e if i is not None}
+        raise UserError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
+    eos = set()
+    for ids in (cfg["eos_token_id"], gen.get("eos_token_id")):
+        eos |= set(ids if isinstance(ids, list) else [ids]) - {None}
+    return {**{name: cfg[name] for name in CONFIG}, "eos_ids": eos}
 
-def read_tokenizer(folder, vocab_size):
-    """tokenizer.json, every id of which (added tokens too) is a row of the embedding table."""
-    tok = read(folder / "tokenizer.json", Tokenizer.from_file, "a tokenizer that `tokenizers` reads")
-    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
-    if top >= vocab_size:
-        raise ValueError(f"{folder / 'tokenizer.json'} has ids up to {top}, past the {vocab_size} rows"
-                         f" of the embedding (vocab_size in {folder / 'config.json'}): another model's?")
-    return tok
+def read_weights(model_dir, cfg, dtype):
+    """Every *.safetensors in the folder -> W: the tensors the model uses, each of the shape
+    config.json predicts, in dtype (or their own), read from disk now."""
+    folder, weights = Path(model_dir), {}
+    for file in sorted(folder.glob("*.safetensors")) or [folder / "model.safetensors"]:
+        tensors = read_file(file, mx.load, "a complete safetensors file")  # lazy: read on use
+        weights.update({name: w.astype(dtype or w.dtype) for name, w in tensors.items()})
+    if cfg["tie_word_embeddings"] or "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights.get("model.embed_tokens.weight")  # one table, both ways
+    weights = checked_shapes(weights, cfg, folder)
+    mx.eval(weights)  # read every weight now, so that generation times only generation
+    return weights
 
 def checked_shapes(weights, cfg, folder):
-    """weights, only the tensors the model uses, each of the shape config.json predicts (or an error)."""
-    d, f, v, hd = D, cfg["intermediate_size"], cfg["vocab_size"], HEAD_DIM
-    q, kv = N_HEADS * hd, N_KV * hd
+    """weights, only the tensors the model uses, each of the shape config.json predicts."""
+    d, f, v, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     layer = {"input_layernorm": (d,), "post_attention_layernorm": (d,), "self_attn.q_proj": (q, d),
              "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
              "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,), "mlp.gate_proj": (f, d),
              "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
-    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
-    shapes |= {f"model.layers.{i}.{name}.weight": shape
-               for i in range(N_LAYERS) for name, shape in layer.items()}
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+              "lm_head.weight": (v, d)}
+    for i in range(cfg["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in layer.items()})
     for name, shape in shapes.items():
-        if weights.get(name) is None or weights[name].shape != shape:
-            found = "is missing" if weights.get(name) is None else f"has shape {weights[name].shape}"
-            raise ValueError(f"tensor {name} {found} in {folder}; expected shape {shape}")
-    return {name: weights[name] for name in shapes}  # drops what is never used (a tied head's copy)
+        if weights.get(name) is None:
+            raise UserError(f"tensor {name} is missing in {folder}; expected shape {shape}")
+        if weights[name].shape != shape:
+            raise UserError(f"tensor {name} has shape {weights[name].shape} in {folder}; "
+                            f"expected shape {shape}")
+    return {name: weights[name] for name in shapes}  # what is never used is dropped
+
+def read_tokenizer(model_dir, cfg):
+    """tokenizer.json, every id of which (added tokens too) is a row of the embedding table."""
+    path = Path(model_dir) / "tokenizer.json"
+    tok = read_file(path, Tokenizer.from_file, "a tokenizer that `tokenizers` reads")
+    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= cfg["vocab_size"]:
+        raise UserError(f"{path} has ids up to {top}, past the {cfg['vocab_size']} rows of the "
+                        f"embedding (vocab_size in {path.parent / 'config.json'}): another model?")
+    return tok
 
 def stream_text(token_ids):
-    """Yield (token id, the text it adds): a character split over tokens (emoji, CJK) comes out whole."""
+    """Yield (id, the text it adds). A character split over two tokens (emoji, CJK) comes whole."""
     stream = DecodeStream(skip_special_tokens=False)
     for token in token_ids:
         yield token, stream.step(TOK, token) or ""
@@ -283,124 +356,179 @@ def chat_prompt(turns, system=None, think=True):
     Earlier answers lose their <think>...</think> part, as Qwen3's own template drops it."""
     text = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
     for i, turn in enumerate(turns):
-        if i % 2 and "</think>" in turn:  # an earlier answer: keep what follows its thinking
+        role = "assistant" if i % 2 else "user"
+        if role == "assistant" and "</think>" in turn:  # keep what follows the thinking
             turn = turn.split("</think>")[-1].lstrip("\n")
-        text += f"<|im_start|>{('user', 'assistant')[i % 2]}\n{turn}<|im_end|>\n"
+        text += f"<|im_start|>{role}\n{turn}<|im_end|>\n"
     return text + "<|im_start|>assistant\n" + ("" if think else "<think>\n\n</think>\n\n")
 
 def reusable(cached_ids, prompt_ids):
-    """Cached positions a new prompt keeps: the ids' common prefix, leaving a prompt token to compute."""
+    """How many cached positions a new prompt keeps: the common prefix of the ids, leaving at
+    least the prompt's last token to compute (its logits give the reply's first token)."""
     n = 0
     while n < min(len(cached_ids), len(prompt_ids) - 1) and cached_ids[n] == prompt_ids[n]:
         n += 1
     return n
 
+def cache_bytes(cache, positions=None):
+    """The bytes of every layer's keys and values at positions 0..positions-1 (or all of them)."""
+    return sum(keys[:, :positions].nbytes + values[:, :positions].nbytes for keys, values in cache)
+
+def shown(token):
+    """A token's text, quoted so that a leading space or a newline shows; special tokens by name."""
+    return repr(TOK.decode([token], skip_special_tokens=False))
+
 def top_tokens(logits, k):
-    """logits (vocab,) -> the k likeliest tokens [(id, text, probability)], softmax at temperature 1."""
-    probs = mx.softmax(logits.astype(mx.float32))                      # (vocab,)
-    top = mx.argsort(-probs)[:k].tolist()                              # (k,) likeliest first
-    return [(t, TOK.decode([t], skip_special_tokens=False), probs[t].item()) for t in top]
+    """logits (vocab,) -> the k likeliest tokens [(id, probability)], softmax at temperature 1."""
+    probs = mx.softmax(logits.astype(mx.float32))                     # (vocab,)
+    top = mx.argsort(-probs)[:k].tolist()                             # (k,) likeliest first
+    return [(t, probs[t].item()) for t in top]
 
 def logit_lens(hidden):
-    """hidden: x after each block, (1, D) each -> [(id, text, p)] of the likeliest next token had
-    the model stopped there: through the final norm (else early blocks read as noise) and head."""
-    return [top_tokens((rms_norm(x, W["model.norm.weight"], EPS) @ W["lm_head.weight"].T)[-1], 1)[0]
-            for x in hidden]
+    """hidden: x after each block, (1, D) each -> [(id, p)] of the likeliest next token had the
+    model stopped there: through lm_head(), its final norm too (else early blocks read as noise)."""
+    return [top_tokens(lm_head(x)[-1], 1)[0] for x in hidden]
 
-def explain(prompt_ids, cache, start):
-    """--explain: the pipeline's steps for this prompt (run into the cache) -> its last logits."""
-    texts = [TOK.decode([t], skip_special_tokens=False) for t in prompt_ids]  # <|im_start|> too
-    print("tokens:", ", ".join(f"{text!r} {t}" for text, t in zip(texts, prompt_ids)))
-    print(f"embedding: {W['model.embed_tokens.weight'][mx.array(prompt_ids)].shape}")
-    hidden = []
-    logits = prefill(prompt_ids, cache, start, hidden)
+def bar_row(label, token, p):
+    """One row of a probability table: the token quoted, p, and a bar of 30 blocks for p = 1."""
+    return f"{label:>10} {shown(token):>18} {p:<8.4g}{'█' * round(30 * p)}"
+
+def explain(prompt_ids, hidden):
+    """--explain: the steps inside the model for this prompt (hidden: x after each block)."""
+    print("tokens:", ", ".join(f"{shown(t)} {t}" for t in prompt_ids))
+    print(f"embedding: {embed(prompt_ids).shape}")
     print("the answer forming: the likeliest next token after block i; then the model's top K")
-    for i, (_, text, p) in enumerate(logit_lens(hidden), 1):
-        print(f"{f'block {i}':>10} {text!r:>18} {p:<8.4f}{'█' * round(30 * p)}")
-    return logits
+    for i, (token, p) in enumerate(logit_lens(hidden), 1):
+        print(bar_row(f"block {i}", token, p))
+
+def reply(prompt_ids, args, cache, start=0, echo=""):
+    """One completion: --explain and --show-probs, then the text as it comes (after echo) and the
+    statistics -> the new ids. The prompt goes into the cache once; generate() continues from it."""
+    held = start + len(prompt_ids)
+    if held >= MAX_POS:
+        raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
+    if held + args.max_tokens > MAX_POS:
+        print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
+    hidden = [] if args.explain else None
+    tic = time.perf_counter()
+    logits = prefill(prompt_ids, cache, start, hidden)                # (vocab,)
+    if args.explain:
+        explain(prompt_ids, hidden)
+    if args.explain or args.show_probs:
+        for token, p in top_tokens(logits, args.show_probs or 5):
+            print(bar_row("", token, p))
+    print("=" * 10 + "\n" + echo, end="", flush=True)
+    generated, first = [], None
+    tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache, start,
+                      logits)
+    for token, piece in stream_text(tokens):
+        first = first or time.perf_counter()  # the first token ends the prefill
+        generated.append(token)
+        print(piece, end="", flush=True)
+    print_stats(len(prompt_ids), len(generated), tic, first or time.perf_counter())
+    print(f"KV cache: {held + len(generated)} positions, "
+          f"{cache_bytes(cache, held + len(generated)) / 1e6:.3f} MB "
+          f"({cache_bytes(cache) / 1e6:.3f} MB allocated)", flush=True)
+    return generated
+
+def print_stats(n_prompt, n, tic, first):
+    """The lines mlx_lm.generate prints: the prompt's speed (up to the first token), the rest's."""
+    end = time.perf_counter()
+    print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (first - tic):.3f} tokens-per-sec")
+    print(f"Generation: {n} tokens, {max(n - 1, 0) / max(end - first, 1e-9):.3f} tokens-per-sec")
+    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+
+def chat_prompt_ids(turns, args):
+    return tokenize(chat_prompt(turns, args.system, not args.no_think))
+
+def converse(args):
+    """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:
+    each turn computes only what its prompt does not share with what the cache holds."""
+    at_terminal = sys.stdin.isatty()
+    if at_terminal:  # a person types: say how to end, and prompt as mlx_lm.chat does
+        print("Type a message and press Enter; an empty line or Ctrl-D ends the chat.",
+              file=sys.stderr)
+    turns, cache, cached_ids = [], [None] * N_LAYERS, []
+    while True:
+        print(">> " if at_terminal else "", end="", flush=True)
+        line = as_text(sys.stdin.buffer.readline()).rstrip("\r\n")
+        if not line:  # an empty line, or the end of the input
+            return
+        turns.append(line)
+        prompt_ids = chat_prompt_ids(turns, args)
+        reused = reusable(cached_ids, prompt_ids)
+        print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
+        generated = reply(prompt_ids[reused:], args, cache, reused)
+        turns.append(TOK.decode(generated))
+        cached_ids = prompt_ids + generated  # what generate() leaves in the cache
+
+def as_text(data):
+    """Bytes read from standard input -> text, or a UserError that says where it is not UTF-8."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        where = f"{e.reason} at byte {e.start}"
+        raise UserError(f"standard input is not UTF-8 text ({where})") from None
 
 def model_folder(model):
-    """--model -> a folder; the default one while it lacks files, and a repo id, downloaded first."""
+    """--model -> a folder to load: a local folder as it is; the default folder while it lacks
+    files, and a Hugging Face repo id, downloaded first (what is there already is kept)."""
     path = Path(model).resolve()
-    is_repo = not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", model)
-    if not is_repo and (path != HERE / "Qwen3-0.6B" or all((path / f).exists() for f in FILES.split())):
-        return path  # a local folder: never downloaded; load() names any file it lacks
-    repo, files = (model, '--include "*.json" "*.safetensors"') if is_repo else (REPO, FILES)
+    is_repo = not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", model) is not None
+    is_default = path == HERE / "Qwen3-0.6B"
+    complete = all((path / name).exists() for name in FILES)
+    if not is_repo and not (is_default and not complete):
+        return path  # never downloaded: load() names any file it lacks
+    repo = model if is_repo else REPO
     os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # our one line says what went wrong
-    from huggingface_hub import snapshot_download     # installed with tokenizers
+    from huggingface_hub import snapshot_download  # installed with tokenizers
     try:  # huggingface_hub fetches what is missing; offline, it returns the folder as it is
         return Path(snapshot_download(repo, local_dir=None if is_repo else path,
-                                      allow_patterns=[*FILES.split(), "*.safetensors*"]))
-    except Exception as e:
-        sys.exit(f"error: could not download {repo} ({type(e).__name__}: {str(e).splitlines()[0]})."
-                 f" Download it by hand: hf download {repo} {files} --local-dir"
-                 f" {path.name if is_repo else path}")
+                                      allow_patterns=[*FILES, "*.safetensors*"]))
+    except Exception as e:  # any failure to download is the user's network or repo id
+        files = '--include "*.json" "*.safetensors"' if is_repo else " ".join(FILES)
+        raise UserError(f"could not download {repo} ({type(e).__name__}: {str(e).splitlines()[0]})."
+                        f" Download it by hand: hf download {repo} {files} --local-dir "
+                        f"{path.name if is_repo else path}") from None
+
+class Flags(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own: its usage, then exit 2; ours: one line
+        raise UserError(f"{message} (see --help)")
 
 def parse_args(argv):
-    """The flags, named as in mlx_lm.generate; every value is checked here, before any work."""
-    ap = argparse.ArgumentParser(description="Qwen3 text generation from scratch with MLX.")
+    """The flags, named as in mlx_lm.generate; every value is checked before any work."""
+    ap = Flags(description="Qwen3 text generation from scratch with MLX.")
     ap.add_argument("--model", default=str(HERE / "Qwen3-0.6B"), help="folder or Hugging Face repo")
     ap.add_argument("--prompt", "-p", help='default: "The capital of France is"; "-" reads stdin')
     ap.add_argument("--max-tokens", "-m", type=int, default=100)
     ap.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="sample from this much probability")
     ap.add_argument("--seed", type=int, help="makes sampling reproducible")
-    ap.add_argument("--show-probs", type=int, default=0, metavar="K", help="K likeliest next tokens")
+    ap.add_argument("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next")
     ap.add_argument("--explain", action="store_true", help="the steps inside (chat: each turn's)")
-    ap.add_argument("--chat", action="store_true", help="chat template; no --prompt: a conversation")
+    ap.add_argument("--chat", action="store_true", help="chat template; without --prompt: a chat")
     ap.add_argument("--system", help="system message, with --chat")
     ap.add_argument("--no-think", action="store_true", help="switch thinking off, with --chat")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: weights'")
-    ap.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage
     args = ap.parse_args(argv)
-    args.prompt = sys.stdin.buffer.read().decode() if args.prompt == "-" else args.prompt
-    for wrong, message in [(args.prompt == "", "the prompt is empty"),
-                           (args.max_tokens < 1, "--max-tokens must be at least 1"),
-                           (not args.temperature >= 0, "--temperature must be 0 or more"),
-                           (not 0 < args.top_p <= 1, "--top-p must be more than 0 and at most 1"),
-                           (args.show_probs < 0, "--show-probs must be 0 or more"),
-                           (args.system is not None and not args.chat, "--system needs --chat"),
-                           (args.no_think and not args.chat, "--no-think needs --chat"),
-                           (not 0 <= (args.seed or 0) < 2**64, "--seed must be from 0 to 2**64 - 1")]:
+    checks = [(args.max_tokens < 1, "--max-tokens must be at least 1"),
+              (not args.temperature >= 0, "--temperature must be 0 or more"),
+              (not 0 < args.top_p <= 1, "--top-p must be more than 0 and at most 1"),
+              (args.show_probs < 0, "--show-probs must be 0 or more"),
+              (args.system is not None and not args.chat, "--system needs --chat"),
+              (args.no_think and not args.chat, "--no-think needs --chat"),
+              (args.seed is not None and not 0 <= args.seed < 2**64,
+               "--seed must be from 0 to 2**64 - 1")]
+    for wrong, message in checks:
         if wrong:
             ap.error(message)
     return args
 
-def run(prompt_ids, args, cache, start=0, echo=""):
-    """--explain, --show-probs, the text as it comes (after echo), the stats -> the new ids, and
-    how many of them are in the cache (the last one only if an EOS followed it)."""
-    used = start + len(prompt_ids)
-    if used >= MAX_POS:
-        sys.exit(f"error: the prompt is {used} tokens; the context holds {MAX_POS}")
-    if used + args.max_tokens > MAX_POS:
-        print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
-    if args.explain or args.show_probs:  # one more pass over the prompt: generate() makes its own
-        logits = explain(prompt_ids, cache, start) if args.explain else prefill(prompt_ids, cache, start)
-        for _, text, p in top_tokens(logits, args.show_probs or 5):  # quoted: a leading " " shows
-            print(f"{text!r:>29} {p:<8.4g}{'█' * round(30 * p)}")  # and a bar, 30 blocks for 1
-    print("=" * 10 + "\n" + echo, end="", flush=True)
-    generated, tic, first = [], time.perf_counter(), None
-    tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache, start)
-    for token, piece in stream_text(tokens):
-        first = first or time.perf_counter()  # the first token ends the prefill
-        generated.append(token)
-        print(piece, end="", flush=True)
-    n, end = len(generated), time.perf_counter()
-    first = first or end
-    print(f"\n{'=' * 10}\nPrompt: {len(prompt_ids)} tokens, "
-          f"{len(prompt_ids) / (first - tic):.3f} tokens-per-sec")
-    print(f"Generation: {n} tokens, {max(n - 1, 0) / max(end - first, 1e-9):.3f} tokens-per-sec")
-    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-    ran = n if n < args.max_tokens and used + n < MAX_POS else max(n - 1, 0)
-    print(f"KV cache: {used + ran} positions, {cache_bytes(cache, used + ran) / 1e6:.3f} MB "
-          f"({cache_bytes(cache) / 1e6:.3f} MB allocated)", flush=True)
-    return generated, ran
-
-def cache_bytes(cache, positions=None):  # every layer's keys and values at 0..positions-1 (or all)
-    return sum(k[:, :positions].nbytes + v[:, :positions].nbytes for k, v in cache)
-
 def main(argv=None):
     args = parse_args(argv)
+    text = as_text(sys.stdin.buffer.read()) if args.prompt == "-" else args.prompt
+    if text == "":
+        raise UserError("the prompt is empty (see --help)")
     if args.seed is not None:
         mx.random.seed(args.seed)
     folder = model_folder(args.model)
@@ -409,32 +537,18 @@ def main(argv=None):
     dtype = str(W["model.norm.weight"].dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
     print(f"Qwen3 from {folder}: {N_LAYERS} layers, hidden {D}, {N_HEADS} query / {N_KV} KV heads"
           f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {dtype}")
-    if not args.chat or args.prompt is not None:  # one prompt, one completion
-        text = args.prompt or "The capital of France is"
-        prompt = chat_prompt([text], args.system, not args.no_think) if args.chat else text
-        run(TOK.encode(prompt).ids, args, [None] * N_LAYERS, echo="" if args.chat else text)
-        return
-    if at_terminal := sys.stdin.isatty():  # a person types: say how to end; a prompt, as mlx_lm.chat
-        print("Type a message and press Enter; an empty line or Ctrl-D ends the chat.", file=sys.stderr)
-    turns, cache, cached_ids = [], [None] * N_LAYERS, []  # a conversation: one turn per line
-    while True:  # until an empty line or the end of the input
-        print(">> " if at_terminal else "", end="", flush=True)
-        if not (line := sys.stdin.buffer.readline().decode().rstrip("\r\n")):
-            return
-        turns.append(line)
-        prompt_ids = TOK.encode(chat_prompt(turns, args.system, not args.no_think)).ids
-        reused = reusable(cached_ids, prompt_ids)
-        print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
-        generated, ran = run(prompt_ids[reused:], args, cache, reused)
-        turns.append(TOK.decode(generated))
-        cached_ids = prompt_ids + generated[:ran]  # what the cache holds
+    if args.chat and text is None:
+        converse(args)
+    elif args.chat:
+        reply(chat_prompt_ids([text], args), args, [None] * N_LAYERS)
+    else:
+        text = text or "The capital of France is"
+        reply(tokenize(text), args, [None] * N_LAYERS, echo=text)
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends it quietly, as it ends `cat`
     try:
         main()
-    except UnicodeDecodeError as e:  # the only text not read through read(): standard input
-        sys.exit(f"error: standard input is not UTF-8 text ({e.reason} at byte {e.start})")
-    except (OSError, ValueError) as e:  # a missing or broken file, named in e
+    except UserError as e:  # the user's flags, files or numbers: one line; a bug, its traceback
         sys.exit(f"error: {e}")

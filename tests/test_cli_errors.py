@@ -372,7 +372,7 @@ def test_file_that_cannot_be_read_in_process(broken, monkeypatch):
     def refuse(path, *args):
         raise PermissionError(13, "Permission denied", str(path))
     monkeypatch.setattr(li, "open", refuse, raising=False)
-    with pytest.raises(OSError, match=f"{broken / 'config.json'} cannot be read: permission denied$"):
+    with pytest.raises(li.UserError, match=f"{broken / 'config.json'} cannot be read: permission denied$"):
         li.load(broken)
 
 
@@ -381,3 +381,20 @@ def test_chat_flags_without_chat(checkpoint, flag):
     assert_error(run_cli("--model", str(checkpoint()), *flag), f"{flag[0]} needs --chat")
     r = run_cli("--model", str(checkpoint()), "--chat", "--prompt", "Hi", "-m", "2", *flag)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_bug_keeps_its_traceback(checkpoint):
+    """Only the project's own UserError becomes one line. A ValueError raised inside the model (a
+    bug; here mx.softmax is replaced by one that raises) reaches the user with its traceback."""
+    code = ("import runpy, sys, mlx.core as mx\n"
+            "def broken(*args, **kwargs):\n"
+            "    raise ValueError('a bug inside the model')\n"
+            "mx.softmax = broken\n"
+            f"sys.argv = ['llm_inference.py', '--model', {str(checkpoint())!r}, '-m', '2']\n"
+            f"runpy.run_path({str(ROOT / 'llm_inference.py')!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "Traceback (most recent call last)" in r.stderr
+    assert r.stderr.rstrip().endswith("ValueError: a bug inside the model")
+    assert "in attend" in r.stderr  # where it happened
+    assert not any(line.startswith("error: ") for line in r.stderr.splitlines())

@@ -138,11 +138,11 @@ def test_two_turn_conversation_over_stdin(checkpoint, tokenizer):
 
 
 def test_chat_turn_after_a_reply_cut_at_max_tokens(checkpoint, tokenizer):
-    """A reply that ends at --max-tokens: its last token was printed but never run through the
-    model, so its key and value are not in the cache. The next turn computes it: the reuse
-    count stops before it, and the reply equals a fresh run of the whole prompt. With -m 1 the
-    reply is one token; a question is picked whose reply token comes back unchanged in the next
-    prompt (else the common prefix would stop before it anyway, and nothing would be tested)."""
+    """A reply that ends at --max-tokens: generate() has run its last token into the cache too
+    (lazily: MLX computes it when the next turn needs it), so the next turn reuses it: the reuse
+    count includes it, and the reply equals a fresh run of the whole prompt. With -m 1 the reply
+    is one token; a question is picked whose reply token comes back unchanged in the next prompt
+    (else the common prefix would stop before it anyway, and nothing would be tested)."""
     folder = checkpoint()
     li.load(folder)
     for question in ["Hello there", "Once upon a time", "The capital of France is", "def f(x):",
@@ -156,7 +156,8 @@ def test_chat_turn_after_a_reply_cut_at_max_tokens(checkpoint, tokenizer):
         pytest.fail("no question's one-token reply comes back as the same token")
     r = run_cli("--model", str(folder), "--chat", "-m", "1", stdin=f"{question}\nAnd Japan?\n".encode())
     assert r.returncode == 0, r.stderr
-    assert f"[KV cache: {len(ids1)} tokens reused, {len(ids2) - len(ids1)} new to prefill]" in r.stdout
+    n = len(ids1) + 1  # the prompt and the reply's one token
+    assert f"[KV cache: {n} tokens reused, {len(ids2) - n} new to prefill]" in r.stdout
     reply2 = "".join(piece for _, piece in li.stream_text(li.generate(ids2, max_tokens=1)))
     assert f"==========\n{reply2}\n==========" in r.stdout.split("[KV cache:")[2]  # turn 2's reply
 
@@ -223,8 +224,8 @@ def test_lens_last_block_is_the_models_own_answer(checkpoint, tokenizer):
     li.prefill(ids, [None] * li.N_LAYERS, 0, hidden)
     lens = li.logit_lens(hidden)
     assert len(lens) == li.N_LAYERS and all(x.shape == (1, li.D) for x in hidden)
-    (token, text, p), *_ = li.top_tokens(li.prefill(ids, [None] * li.N_LAYERS), 5)  # --show-probs'
-    assert lens[-1][:2] == (token, text) and lens[-1][2] == pytest.approx(p, abs=1e-5)
+    (token, p), *_ = li.top_tokens(li.prefill(ids, [None] * li.N_LAYERS), 5)  # --show-probs'
+    assert lens[-1][0] == token and lens[-1][1] == pytest.approx(p, abs=1e-5)
 
 
 @pytest.mark.parametrize("init", ["unit", "realistic"])
@@ -238,35 +239,35 @@ def test_lens_after_block_i_by_hand(checkpoint, tokenizer, init):
     x, cache = li.W["model.embed_tokens.weight"][mx.array(ids)], [None] * li.N_LAYERS
     rope = li.rope_tables(mx.arange(len(ids)), x.dtype)
     visible = mx.arange(len(ids))[None, :] <= mx.arange(len(ids))[:, None]
-    for i, (token, _, p) in enumerate(li.logit_lens(hidden)):
+    for i, (token, p) in enumerate(li.logit_lens(hidden)):
         x = li.transformer_block(x, i, cache, 0, rope, visible)
         probs = mx.softmax(li.rms_norm(x[-1], li.W["model.norm.weight"], li.EPS) @ li.W["lm_head.weight"].T)
         assert token == mx.argmax(probs).item() and p == pytest.approx(probs[token].item(), abs=1e-5)
-    assert len({token for token, _, _ in li.logit_lens(hidden)}) > 1  # the blocks change the answer
+    assert len({token for token, _ in li.logit_lens(hidden)}) > 1  # the blocks change the answer
 
 
 @pytest.mark.parametrize("stop", ["max_tokens", "eos"])
 def test_kv_cache_positions_and_bytes(checkpoint, tokenizer, capsys, stop):
-    """run() says how many new ids the cache holds: after --max-tokens all but the last one
-    (never run through the model: its position was never written), after an EOS all of them.
-    The bytes are the buffers' own: 3 layers x (keys + values) x 2 KV heads x 32 x 4 bytes."""
+    """generate() leaves the prompt and every id it yielded in the cache, whether it stopped at
+    --max-tokens (the last id is run in too, lazily) or before an EOS id (not yielded, not held);
+    reply()'s KV cache line counts exactly those. The bytes are the buffers' own: 3 layers x
+    (keys + values) x 2 KV heads x 32 x 4 bytes."""
     ids = tokenizer.encode("The capital of France is").ids
     li.load(checkpoint())
     free_run = list(li.generate(ids, max_tokens=8))
     if stop == "eos":
         li.load(checkpoint(eos_extra=[free_run[5]]))
     cache, args = [None] * li.N_LAYERS, li.parse_args(["-m", "8"])
-    generated, ran = li.run(ids, args, cache)
-    held = len(ids) + ran
-    assert ran == (len(generated) - 1 if stop == "max_tokens" else len(generated))
+    generated = li.reply(ids, args, cache)
+    held = len(ids) + len(generated)
     assert generated == free_run[:len(generated)] and len(generated) == (8 if stop == "max_tokens" else 5)
     fresh = [None] * li.N_LAYERS
-    mx.eval(li.forward(ids + generated[:ran], fresh, 0))
+    mx.eval(li.forward(ids + generated, fresh, 0))
     for (keys, values), (ref_keys, ref_values) in zip(cache, fresh):
         assert rel_err(keys[:, :held], ref_keys[:, :held]) < 1e-5        # really in it
         assert rel_err(values[:, :held], ref_values[:, :held]) < 1e-5
         if stop == "max_tokens":
-            assert not mx.any(keys[:, held]).item()                       # never written
+            assert not mx.any(keys[:, held]).item()                       # nothing after it
     per_position = li.N_LAYERS * 2 * li.N_KV * li.HEAD_DIM * 4
     assert li.cache_bytes(cache, held) == held * per_position
     assert li.cache_bytes(cache) == sum(k.nbytes + v.nbytes for k, v in cache) == 256 * per_position

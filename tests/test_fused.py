@@ -83,8 +83,8 @@ def test_apply_rope_equals_mx_fast(checkpoint, start, L):
     li.load(checkpoint())  # HEAD_DIM 32, THETA 1e6
     positions = mx.arange(start, start + L)
     for dtype in (mx.float32, mx.bfloat16):
-        x = normal((4, L, li.HEAD_DIM), 1.0, dtype, 2)
-        ours = li.apply_rope(x, *li.rope_tables(positions, dtype))
+        x = normal((4, L, li.HEAD_DIM), 1.0, dtype, 2)                # heads first, as mx.fast's
+        ours = li.apply_rope(x.swapaxes(0, 1), *li.rope_tables(positions, dtype)).swapaxes(0, 1)
         fast = mx.fast.rope(x, li.HEAD_DIM, traditional=False, base=li.THETA, scale=1.0, offset=start)
         assert ours.dtype == fast.dtype == dtype
         if dtype == mx.float32:
@@ -94,6 +94,12 @@ def test_apply_rope_equals_mx_fast(checkpoint, start, L):
                                  scale=1.0, offset=start)
             print(f"start {start}: error ours {rel_err(ours, exact):.3e}, mx.fast {rel_err(fast, exact):.3e}")
             assert rel_err(ours, exact) <= max(4 * rel_err(fast, exact), BF16_BUDGET)
+
+
+def ours_attend(q, k, v, visible):
+    """attend() takes q as (L, H, hd) and merges the heads: in and out as mx.fast's (H, L, hd)."""
+    H, L, hd = q.shape
+    return li.attend(q.swapaxes(0, 1), k, v, visible).reshape(L, H, hd).swapaxes(0, 1)
 
 
 @pytest.mark.parametrize("start, L", [(0, 9), (20, 1), (250, 12)])
@@ -107,7 +113,7 @@ def test_attend_equals_sdpa(start, L):
     for dtype in (mx.float32, mx.bfloat16):
         q, k, v = (normal(shape, 1.0, dtype, seed) for seed, shape in
                    enumerate([(8, L, hd), (4, S, hd), (4, S, hd)]))
-        ours = li.attend(q, k, v, visible)
+        ours = ours_attend(q, k, v, visible)
         fast = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=1 / math.sqrt(hd),
                                                     mask=visible)[0]
         assert ours.shape == fast.shape == (8, L, hd) and ours.dtype == dtype
@@ -115,7 +121,7 @@ def test_attend_equals_sdpa(start, L):
             assert rel_err(ours, fast) < 1e-5
         else:
             f32 = [a.astype(mx.float32) for a in (q, k, v)]
-            exact = li.attend(*f32, visible)
+            exact = ours_attend(*f32, visible)
             assert rel_err(exact, mx.fast.scaled_dot_product_attention(
                 *(a[None] for a in f32), scale=1 / math.sqrt(hd), mask=visible)[0]) < 1e-5
             print(f"start {start}: error ours {rel_err(ours, exact):.3e}, mx.fast {rel_err(fast, exact):.3e}")

@@ -221,11 +221,11 @@ def test_load_rejects_wrong_shape(checkpoint, tmp_path):
     w = mx.load(str(folder / "model.safetensors"))
     w["model.layers.1.mlp.up_proj.weight"] = mx.zeros((3, 64))
     mx.save_safetensors(str(folder / "model.safetensors"), w)
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(160, 64\)"):
+    with pytest.raises(li.UserError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(160, 64\)"):
         li.load(folder)
     del w["model.layers.1.mlp.up_proj.weight"]
     mx.save_safetensors(str(folder / "model.safetensors"), w)
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing"):
+    with pytest.raises(li.UserError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing"):
         li.load(folder)
 
 
@@ -289,3 +289,22 @@ def test_prompt_already_cached_gives_the_fresh_answer(checkpoint, tokenizer):
     n = li.reusable(ids + ids[:3], ids)
     assert list(li.generate(ids[n:], max_tokens=6, cache=cache, start=n)) == \
         list(li.generate(ids, max_tokens=6))
+
+
+def test_the_articles_calls(checkpoint, tokenizer):
+    """The article's generate(text) returns text; ours takes and yields ids, and given text it
+    says, in one line, the call that does what the article's does. The article's sample(logits)
+    works on our forward()'s (L, vocab) logits too: the next token after the last position."""
+    li.load(checkpoint())
+    prompt = "The capital of France is"
+    with pytest.raises(TypeError) as error:
+        list(li.generate(prompt))
+    call = "TOK.decode(list(generate(tokenize(text))))"
+    assert str(error.value).endswith(call)
+    text = eval(call, vars(li), {"text": prompt})  # the call it names, as written
+    ids = li.tokenize(prompt)
+    assert ids == tokenizer.encode(prompt).ids
+    assert text == tokenizer.decode(list(li.generate(ids))) and len(text) > 0
+    logits = li.forward(ids, [None] * li.N_LAYERS, 0)                  # (L, vocab)
+    assert li.sample(logits).item() == li.sample(logits[-1]).item() == mx.argmax(logits[-1]).item()
+    assert li.sample(logits, temperature=1e-30, top_p=0.5).item() == mx.argmax(logits[-1]).item()
