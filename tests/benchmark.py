@@ -47,10 +47,8 @@ from mlx_lm.utils import load_model
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llm_inference as li  # noqa: E402
-from conftest import build_tokenizer, write_checkpoint  # noqa: E402
+from conftest import QWEN3_06B, build_tokenizer, write_checkpoint  # noqa: E402
 
-QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
 SMALL = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=28, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, vocab_size=640, max_position_embeddings=8192)
 VIEWS = {"Reshape", "Transpose", "Broadcast", "ExpandDims", "Squeeze", "Slice", "AsStrided", "Flatten",

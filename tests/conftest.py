@@ -28,6 +28,9 @@ CORPUS = [
     "def f(x):\n    return x * 2  # code, too",
 ] * 20
 
+# Qwen3-0.6B's exact shapes, for checkpoints of its size (tests/random_checkpoint.py, benchmark.py).
+QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
 # Tiny Qwen3: 4 query heads x head_dim 32 = 128 != hidden 64; 2 KV heads (GQA groups of 2).
 TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, vocab_size=640, max_position_embeddings=2048)
@@ -67,7 +70,9 @@ def write_checkpoint(folder, tokenizer, dtype="float32", lm_head="untied", rope=
     init: "unit" scales every matrix so that activations are of order 1 (logits spread widely,
     so greedy choices are clear-cut); "realistic" draws embeddings and projections with standard
     deviation 0.02, as Qwen3's initializer_range and its trained weights have: activations are
-    small, and rms_norm's eps (1e-6 against a mean square of ~4e-4) changes the numbers."""
+    small, and rms_norm's eps (1e-6 against a mean square of ~4e-4) changes the numbers; "wide"
+    is "realistic" with an embedding and LM head of std 4 / sqrt(hidden), so that the logits
+    have a standard deviation of about 4, as a trained model's do (their top two are close)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     c = dict(TINY, **overrides)
@@ -77,12 +82,12 @@ def write_checkpoint(folder, tokenizer, dtype="float32", lm_head="untied", rope=
     to_mx = lambda a: mx.array(a.astype(np.float32)).astype(getattr(mx, dtype))  # noqa: E731
 
     def mat(rows, cols, gain=1.0):  # "unit": std gain/sqrt(fan_in), activations stay O(1)
-        return to_mx(rng.normal(0, 0.02 if init == "realistic" else gain / np.sqrt(cols), (rows, cols)))
+        return to_mx(rng.normal(0, gain / np.sqrt(cols) if init == "unit" else 0.02, (rows, cols)))
 
     def norm(n):  # norm weights near 1, not all equal, so a wrong norm shows
         return to_mx(1.0 + 0.2 * rng.normal(size=n))
 
-    embed_std = 0.02 if init == "realistic" else 1.0
+    embed_std = {"unit": 1.0, "realistic": 0.02, "wide": 4.0 / np.sqrt(d)}[init]
     arrays = {"model.embed_tokens.weight": to_mx(rng.normal(0, embed_std, (v, d))), "model.norm.weight": norm(d)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -95,7 +100,7 @@ def write_checkpoint(folder, tokenizer, dtype="float32", lm_head="untied", rope=
             p + "mlp.down_proj.weight": mat(d, f)})
     if lm_head == "untied":
         scale = np.where(np.arange(v) < tokenizer.get_vocab_size(), 1.0, 0.3)[:, None]  # padding rows:
-        head_std = 0.02 if init == "realistic" else 4.0 / np.sqrt(d)
+        head_std = 0.02 if init == "realistic" else 4.0 / np.sqrt(d)  # "unit", "wide": logits ~4
         arrays["lm_head.weight"] = to_mx(rng.normal(0, head_std, (v, d)) * scale)  # rarely chosen
     elif lm_head == "tied_stored":
         arrays["lm_head.weight"] = arrays["model.embed_tokens.weight"]

@@ -144,33 +144,48 @@ def test_long_context_with_cache(checkpoint, tokenizer):
 MANTISSA_BITS = {mx.bfloat16: 7, mx.float16: 10, mx.float32: 23}
 
 
-def greedy_along_mlx_lm(folder, ids, n, delta):
-    """Greedy decoding compared step by step, teacher-forced: both models are fed mlx-lm's greedy
-    ids, so one tie cannot derail the rest. At each step our argmax must be mlx-lm's, except
-    where mlx-lm's two likeliest logits are within bound = the logits' resolution at the top
-    logit (one step of the dtype there: two values that close can round to one) + delta (how far
-    our logits may be from mlx-lm's: the caller measures it on the prompt's last token, the row
-    that a decoding step computes). There either choice is right: a tie, not compared. Fails if more than a quarter of the steps are ties (a
-    checkpoint of ties proves nothing). Returns mlx-lm's ids and the number of steps compared
-    before the first tie (generate() must agree that far)."""
+def mlx_lm_greedy(folder, ids, n, dtype=None):
+    """mlx-lm's greedy decoding, n steps after ids, its model in dtype (or the checkpoint's own)
+    and alone in memory: loaded here, let go on return. -> its ids, its two likeliest logits at
+    each step, and its logits for the prompt's last token."""
     model, _ = load_model(Path(folder))
-    ref_cache, cache = make_prompt_cache(model), [None] * li.N_LAYERS
-    ref, ours = model(mx.array(ids)[None], cache=ref_cache)[0, -1], li.prefill(ids, cache)
-    ref_ids, ties, first_tie = [], 0, n
-    for pos in range(len(ids), len(ids) + n):
-        top2 = mx.sort(ref.astype(mx.float32))[-2:].tolist()
-        bound = 2.0 ** (math.floor(math.log2(abs(top2[1]))) - MANTISSA_BITS[ref.dtype]) + delta
-        ref_ids.append(mx.argmax(ref).item())
+    if dtype is not None:
+        model.set_dtype(dtype)
+    cache = make_prompt_cache(model)
+    logits = prompt_logits = model(mx.array(ids)[None], cache=cache)[0, -1]
+    ref_ids, top2s = [], []
+    for _ in range(n):
+        top2s.append(mx.sort(logits.astype(mx.float32))[-2:].tolist())
+        ref_ids.append(mx.argmax(logits).item())
+        logits = model(mx.array([ref_ids[-1:]]), cache=cache)[0, -1]
+    mx.eval(prompt_logits)
+    return ref_ids, top2s, prompt_logits
+
+
+def greedy_along_mlx_lm(ids, ref_ids, top2s, ref_prompt_logits):
+    """Our loaded model, teacher-forced along mlx-lm's greedy ids (so that one tie cannot derail
+    the rest). At each step our argmax must be mlx-lm's, except where mlx-lm's two likeliest logits
+    are within bound = one step of the dtype at the top logit (two values that close can round to
+    one) + delta (the largest difference between our logits and mlx-lm's for the prompt's last
+    token, the row a decoding step computes): there either choice is right, a tie, not compared.
+    Fails if more than a quarter of the steps are ties (a checkpoint of ties proves nothing).
+    Returns the number of steps before the first tie (generate() must agree that far)."""
+    cache = [None] * li.N_LAYERS
+    ours = li.prefill(ids, cache)
+    delta = mx.abs(ours.astype(mx.float32) - ref_prompt_logits.astype(mx.float32)).max().item()
+    ties, first_tie = 0, len(ref_ids)
+    for step, (ref, top2) in enumerate(zip(ref_ids, top2s)):
+        bound = 2.0 ** (math.floor(math.log2(abs(top2[1]))) - MANTISSA_BITS[ours.dtype]) + delta
         if top2[1] - top2[0] <= bound:
             ties += 1
-            first_tie = min(first_tie, len(ref_ids) - 1)
+            first_tie = min(first_tie, step)
         else:
-            assert mx.argmax(ours).item() == ref_ids[-1], f"step {len(ref_ids)}: not a tie"
-        ref = model(mx.array([ref_ids[-1:]]), cache=ref_cache)[0, -1]
-        ours = li.forward(ref_ids[-1:], cache, pos)[-1]
-    print(f"greedy: {n - ties} of {n} steps compared, {ties} ties (bound from delta {delta:.3g})")
+            assert mx.argmax(ours).item() == ref, f"step {step + 1}: not a tie"
+        ours = li.forward([ref], cache, len(ids) + step)[-1]
+    n = len(ref_ids)
+    print(f"greedy in {ours.dtype}: {n - ties} of {n} steps compared, {ties} ties (delta {delta:.3g})")
     assert ties <= n / 4
-    return ref_ids, first_tie
+    return first_tie
 
 
 def assert_generate_agrees(ids, n, ref_ids, agreed):
@@ -183,13 +198,14 @@ def assert_generate_agrees(ids, n, ref_ids, agreed):
         assert ours[:agreed] == ref_ids[:agreed]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_generation_equals_mlx_lm(checkpoint, tokenizer, dtype):
-    folder = checkpoint(dtype=dtype)
+@pytest.mark.parametrize("dtype, init", [("float32", "unit"), ("bfloat16", "unit"),
+                                         ("float32", "realistic"), ("float32", "wide")])
+def test_greedy_generation_equals_mlx_lm(checkpoint, tokenizer, dtype, init):
+    folder = checkpoint(dtype=dtype, init=init)
     ids = tokenizer.encode("The capital of France is").ids
+    ref, top2s, ref_logits = mlx_lm_greedy(folder, ids, 24)
     li.load(folder)
-    delta = mx.abs(ours_logits(folder, ids)[-1] - mlx_lm_logits(folder, ids)[-1]).max().item()
-    ref, agreed = greedy_along_mlx_lm(folder, ids, 24, delta)
+    agreed = greedy_along_mlx_lm(ids, ref, top2s, ref_logits)
     assert len(set(ref)) > 5  # the fixture is not degenerate: not one repeated token
     assert_generate_agrees(ids, 24, ref, agreed)
 
@@ -308,3 +324,4 @@ def test_the_articles_calls(checkpoint, tokenizer):
     logits = li.forward(ids, [None] * li.N_LAYERS, 0)                  # (L, vocab)
     assert li.sample(logits).item() == li.sample(logits[-1]).item() == mx.argmax(logits[-1]).item()
     assert li.sample(logits, temperature=1e-30, top_p=0.5).item() == mx.argmax(logits[-1]).item()
+
