@@ -209,22 +209,33 @@ def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None,
     if logits is None:
         logits = prefill(prompt_ids, cache, start)                    # (vocab,) lazy
     first = start + len(prompt_ids)                                   # the position of token 1
-    token = sample(logits, temperature, top_p)                        # () lazy: nothing ran yet
+    token, finite = sample(logits, temperature, top_p), mx.isfinite(logits).all()  # () () lazy
     for pos in range(first, min(first + max_tokens, MAX_POS)):       # never past the context
         before = list(cache)                                          # the cache up to pos - 1
         logits = forward(token[None], cache, pos)[-1]                 # (vocab,) the next step,
-        upcoming = sample(logits, temperature, top_p)                 # built and queued before
-        if pos + 1 < min(first + max_tokens, MAX_POS):  # this token is known: the article waits
-            mx.async_eval(upcoming)                     # for each token, MLX idling meanwhile
+        upcoming = sample(logits, temperature, top_p), mx.isfinite(logits).all()  # built and
+        if pos + 1 < min(first + max_tokens, MAX_POS):  # queued before this token is known: the
+            mx.async_eval(upcoming)                     # article waits, leaving MLX idle meanwhile
+        if not finite.item():  # NaN or inf: the numbers overflowed the dtype
+            raise not_finite(f"for token {pos - first + 1}", logits.dtype)
         if token.item() in EOS_IDS:  # it went into the cache ahead: take it out (a KV cache
             cache[:] = before        # would ignore it; a recurrent state has absorbed it)
             return
         yield token.item()
-        token = upcoming
+        token, finite = upcoming
 
 # ═══ After generate(): serving the model — errors, file checks, download, chat, command line ═══
 class UserError(Exception):
     """A problem with the user's flags, files or numbers: the command line prints it as one line."""
+
+def dtype_name(dtype):
+    return str(dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
+
+def not_finite(where, dtype):
+    """The error for logits that hold NaN or inf: the weights are finite (checked at load), so the
+    activations overflowed the dtype (float16 holds at most 65504)."""
+    return UserError(f"the logits {where} are not finite (NaN or inf) in {dtype_name(dtype)}: the"
+                     " activations overflow it; compute in float32 (--dtype float32)")
 
 HERE = Path(__file__).resolve().parent
 REPO = "Qwen/Qwen3-0.6B"
@@ -234,6 +245,8 @@ FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_c
 def read_file(path, parse, what):
     """parse(path) -> what it returns; a file missing, unreadable or broken raises UserError."""
     path = Path(path)
+    if path.is_symlink() and not path.exists():  # a Hugging Face cache whose blob was deleted
+        raise UserError(f"{path} is a broken link to {os.readlink(path)}: download it again")
     if path.parent.is_file():
         raise UserError(f"{path.parent} is a file, not a folder (a model is a folder)")
     if not path.exists():
@@ -251,6 +264,11 @@ def read_file(path, parse, what):
 def parse_json(path):
     return json.loads(Path(path).read_text())
 
+def shown_json(value, most=60):
+    """A config value as JSON, shortened to `most` characters with "..." for an error line."""
+    text = json.dumps(value)
+    return text if len(text) <= most else text[:most - 4] + " ..."
+
 KINDS = {"count": "a whole number of 1 or more", "even": "an even whole number (RoPE turns pairs)",
          "positive": "a number more than 0", "bool": "true or false",
          "ids": "a token id, a list of them or null"}
@@ -260,6 +278,13 @@ CONFIG = {  # each config.json entry that load() reads -> the kind of value it m
     "vocab_size": "count", "max_position_embeddings": "count", "head_dim": "even",
     "rms_norm_eps": "positive", "rope_theta": "positive", "tie_word_embeddings": "bool",
     "eos_token_id": "ids"}
+UNSUPPORTED = {  # config.json entries that change the math -> (the value computed here, what else is)
+    "rope_scaling": (None, "a scaled RoPE (YaRN and its kin)"),
+    "attention_bias": (False, "biases in the attention projections"),
+    "hidden_act": ("silu", "an activation other than SiLU"),
+    "use_sliding_window": (False, "sliding-window attention"),
+    "quantization_config": (None, "weights quantised in this format"),
+    "quantization": (None, "MLX's quantised weights")}
 
 def fits(value, kind):
     """Does a config value have the kind that CONFIG names?"""
@@ -281,10 +306,12 @@ def read_configs(model_dir):
     gen = read_file(gen_path, parse_json, "valid JSON") if gen_path.exists() else {}
     for file, data in [(path, cfg), (gen_path, gen)]:
         if not isinstance(data, dict):
-            raise UserError(f"{file} must hold a JSON object {{...}}, not {json.dumps(data)[:40]}")
-    nested = cfg.get("rope_parameters")  # transformers 5 writes rope_theta in there
-    if isinstance(nested, dict) and "rope_theta" not in cfg:
-        cfg = {**cfg, "rope_theta": nested.get("rope_theta")}
+            raise UserError(f"{file} must hold a JSON object {{...}}, not {shown_json(data, 40)}")
+    nested = cfg.get("rope_parameters")  # transformers 5 writes rope_theta (and scaling) here
+    if isinstance(nested, dict):
+        cfg = {"rope_theta": nested.get("rope_theta"), **cfg}
+        if nested.get("rope_type", nested.get("type", "default")) != "default":  # "yarn", say
+            cfg["rope_scaling"] = nested
     cfg = {"tie_word_embeddings": False, "eos_token_id": None, **cfg}  # transformers' defaults
     for name, kind in CONFIG.items():
         if name not in cfg:
@@ -297,22 +324,56 @@ def read_configs(model_dir):
                         f"not {json.dumps(gen['eos_token_id'])}")
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
         raise UserError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
+    for name, (computed, other) in UNSUPPORTED.items():
+        if cfg.get(name, computed) != computed:
+            raise UserError(f"{path}: {name} is {shown_json(cfg[name])}: this script does not run "
+                            f"{other}")
     eos = set()
     for ids in (cfg["eos_token_id"], gen.get("eos_token_id")):
         eos |= set(ids if isinstance(ids, list) else [ids]) - {None}
     return {**{name: cfg[name] for name in CONFIG}, "eos_ids": eos}
 
+def weight_files(folder):
+    """{file: the tensors to take from it (None: all)}: what model.safetensors.index.json names,
+    else model.safetensors. No other *.safetensors is read: an older download or another
+    checkpoint left in the folder would make a model of two."""
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        return {folder / "model.safetensors": None}
+    weight_map = read_file(index, parse_json, "valid JSON")
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise UserError(f"{index} must hold a weight_map {{tensor name: file}}")
+    files = {}
+    for name, file in weight_map.items():
+        files.setdefault(folder / file, []).append(name)
+    return files
+
 def read_weights(model_dir, cfg, dtype):
-    """Every *.safetensors in the folder -> W: the tensors the model uses, each of the shape
-    config.json predicts, in dtype (or their own), read from disk now."""
-    folder, weights = Path(model_dir), {}
-    for file in sorted(folder.glob("*.safetensors")) or [folder / "model.safetensors"]:
+    """The checkpoint's files -> W: the tensors the model uses, each of the shape config.json
+    predicts and finite in dtype (or their own), read from disk now."""
+    folder, weights, source = Path(model_dir), {}, {}
+    for file, names in weight_files(folder).items():
         tensors = read_file(file, mx.load, "a complete safetensors file")  # lazy: read on use
-        weights.update({name: w.astype(dtype or w.dtype) for name, w in tensors.items()})
-    if cfg["tie_word_embeddings"] or "lm_head.weight" not in weights:
-        weights["lm_head.weight"] = weights.get("model.embed_tokens.weight")  # one table, both ways
+        for name in tensors if names is None else names:
+            if name not in tensors:
+                raise UserError(f"{file} has no tensor {name}, which "
+                                f"{folder / 'model.safetensors.index.json'} says it holds")
+            weights[name], source[name] = tensors[name].astype(dtype or tensors[name].dtype), file
+    if cfg["tie_word_embeddings"]:  # one table, both ways (a stored copy is not used)
+        weights["lm_head.weight"] = weights.get("model.embed_tokens.weight")
     weights = checked_shapes(weights, cfg, folder)
-    mx.eval(weights)  # read every weight now, so that generation times only generation
+    tied = "lm_head.weight" if cfg["tie_word_embeddings"] else None  # the embedding: checked once
+    sums = {name: w.sum() for name, w in weights.items() if name != tied}  # NaN or inf: not finite
+    mx.eval(weights, sums)  # read every weight now, so that generation times only generation
+    for name, total in sums.items():
+        if mx.isfinite(total).item() or mx.isfinite(weights[name]).all().item():
+            continue  # (a sum can overflow float16 by itself: then the elements are checked)
+        if dtype is None:
+            raise UserError(f"tensor {name} in {source[name]} holds NaN or inf: the file is "
+                            "damaged; download it again")
+        raise UserError(f"tensor {name} in {source[name]} does not fit in {dtype_name(dtype)}: "
+                        "some of its values become inf (--dtype float32 holds them)")
     return weights
 
 def checked_shapes(weights, cfg, folder):
@@ -329,7 +390,8 @@ def checked_shapes(weights, cfg, folder):
         shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in layer.items()})
     for name, shape in shapes.items():
         if weights.get(name) is None:
-            raise UserError(f"tensor {name} is missing in {folder}; expected shape {shape}")
+            untied = " (tie_word_embeddings is false)" if name == "lm_head.weight" else ""
+            raise UserError(f"tensor {name} is missing in {folder}{untied}; expected shape {shape}")
         if weights[name].shape != shape:
             raise UserError(f"tensor {name} has shape {weights[name].shape} in {folder}; "
                             f"expected shape {shape}")
@@ -378,16 +440,18 @@ def shown(token):
     """A token's text, quoted so that a leading space or a newline shows; special tokens by name."""
     return repr(TOK.decode([token], skip_special_tokens=False))
 
-def top_tokens(logits, k):
+def top_tokens(logits, k, where="the prompt"):
     """logits (vocab,) -> the k likeliest tokens [(id, probability)], softmax at temperature 1."""
     probs = mx.softmax(logits.astype(mx.float32))                     # (vocab,)
+    if not mx.isfinite(probs).all().item():
+        raise not_finite(f"after {where}", logits.dtype)
     top = mx.argsort(-probs)[:k].tolist()                             # (k,) likeliest first
     return [(t, probs[t].item()) for t in top]
 
 def logit_lens(hidden):
     """hidden: x after each block, (1, D) each -> [(id, p)] of the likeliest next token had the
     model stopped there: through lm_head(), its final norm too (else early blocks read as noise)."""
-    return [top_tokens(lm_head(x)[-1], 1)[0] for x in hidden]
+    return [top_tokens(lm_head(x)[-1], 1, f"block {i}")[0] for i, x in enumerate(hidden, 1)]
 
 def bar_row(label, token, p):
     """One row of a probability table: the token quoted, p, and a bar of 30 blocks for p = 1."""
@@ -462,13 +526,14 @@ def converse(args):
         turns.append(TOK.decode(generated))
         cached_ids = prompt_ids + generated  # what generate() leaves in the cache
 
-def as_text(data):
-    """Bytes read from standard input -> text, or a UserError that says where it is not UTF-8."""
+def as_text(data, source="standard input"):
+    """Bytes (from standard input, or a flag given as bytes) -> text, or a UserError that says
+    where they are not UTF-8."""
     try:
         return data.decode()
     except UnicodeDecodeError as e:
         where = f"{e.reason} at byte {e.start}"
-        raise UserError(f"standard input is not UTF-8 text ({where})") from None
+        raise UserError(f"{source} is not UTF-8 text ({where})") from None
 
 def model_folder(model):
     """--model -> a folder to load: a local folder as it is; the default folder while it lacks
@@ -526,17 +591,29 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    if sys.stdout is None:  # started with it closed (>&-): print() would drop the text silently
+        raise UserError("standard output is closed: there is nowhere to print the text")
+    if sys.stdin is None and (args.prompt == "-" or args.chat and args.prompt is None):
+        raise UserError("standard input is closed: there is nothing to read the prompt from")
+    if sys.stdin is None:  # closed (<&-): a file opened next would get descriptor 0, which MLX's
+        os.open(os.devnull, os.O_RDONLY)  # safetensors reader takes for a failure; fill it first
     text = as_text(sys.stdin.buffer.read()) if args.prompt == "-" else args.prompt
+    for flag, value in [("--prompt", text), ("--system", args.system)]:
+        if value is not None:  # bytes that are not UTF-8 reach Python as lone surrogates
+            as_text(value.encode(errors="surrogateescape"), flag)
     if text == "":
         raise UserError("the prompt is empty (see --help)")
     if args.seed is not None:
         mx.random.seed(args.seed)
     folder = model_folder(args.model)
     load(folder, args.dtype and getattr(mx, args.dtype))
+    for tag in ("<|im_start|>", "<|im_end|>"):
+        if args.chat and len(tokenize(tag)) != 1:  # a base model's tokenizer spells them out
+            raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
+                            "the chat tokens of Qwen3's instruct models")
     n_params = sum(w.size for w in {id(w): w for w in W.values()}.values())  # a tied head once
-    dtype = str(W["model.norm.weight"].dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
     print(f"Qwen3 from {folder}: {N_LAYERS} layers, hidden {D}, {N_HEADS} query / {N_KV} KV heads"
-          f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {dtype}")
+          f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {dtype_name(W['model.norm.weight'].dtype)}")
     if args.chat and text is None:
         converse(args)
     elif args.chat:

@@ -325,3 +325,43 @@ def test_the_articles_calls(checkpoint, tokenizer):
     assert li.sample(logits).item() == li.sample(logits[-1]).item() == mx.argmax(logits[-1]).item()
     assert li.sample(logits, temperature=1e-30, top_p=0.5).item() == mx.argmax(logits[-1]).item()
 
+
+def test_generation_stops_where_the_logits_stop_being_finite(checkpoint, tokenizer, monkeypatch):
+    """From the step whose logits hold NaN or inf (an overflow: wrapped here around forward()),
+    generate() raises one UserError naming the token and the dtype, after the ids before it."""
+    li.load(checkpoint())
+    ids = tokenizer.encode("The capital of France is").ids
+    good = list(li.generate(ids, max_tokens=6))
+    forward, calls = li.forward, []
+
+    def overflowing(*args, **kwargs):  # prefill makes 2 calls, then one per token: the 4th
+        calls.append(1)                # gives token 3's logits
+        logits = forward(*args, **kwargs)
+        return logits * mx.nan if len(calls) == 4 else logits
+
+    monkeypatch.setattr(li, "forward", overflowing)
+    shown = []
+    with pytest.raises(li.UserError, match=r"^the logits for token 3 are not finite \(NaN or inf\) "
+                       r"in float32: the activations overflow it"):
+        for token in li.generate(ids, max_tokens=6):
+            shown.append(token)
+    assert shown == good[:2]
+
+
+def test_rms_norm_uses_the_eps_it_is_given(checkpoint):
+    """rms_norm is compiled, and a trace keeps the Python values it read: called directly with
+    an eps other than the loaded model's (1e-6), it must use that eps."""
+    li.load(checkpoint())
+    x = mx.array(np.random.default_rng(0).normal(0, 0.01, (3, 64)).astype(np.float32))
+    w = mx.ones(64)
+    for eps in (1e-6, 1e-2, 1e-6):
+        expected = x / mx.sqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps)
+        assert rel_err(li.rms_norm(x, w, eps), expected) < 1e-6
+
+
+def test_tokenizer_with_an_id_equal_to_vocab_size(checkpoint, tokenizer):
+    """ids are 0..vocab_size-1: a largest id equal to vocab_size is one past the table."""
+    top = tokenizer.get_vocab_size(with_added_tokens=True) - 1
+    with pytest.raises(li.UserError, match=f"has ids up to {top}, past the {top} rows"):
+        li.load(checkpoint(vocab_size=top))
+    li.load(checkpoint(vocab_size=top + 1))

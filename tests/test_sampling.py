@@ -112,3 +112,22 @@ def test_cli_dtype_flag(checkpoint):
     r = run_cli("--model", folder, "--prompt", "Once", "-m", "4", "--dtype", "float32")
     assert r.returncode == 0 and "float32" in r.stdout.splitlines()[0]
     assert "bfloat16" in run_cli("--model", folder, "--prompt", "Once", "-m", "4").stdout.splitlines()[0]
+
+
+def test_temperature_comes_before_top_p():
+    """p = [0.5, 0.3, 0.2], temperature 2, top-p 0.45. Temperature first (the article, transformers):
+    p becomes [0.41, 0.32, 0.26], and the nucleus is the first two. Top-p first would keep one."""
+    mx.random.seed(3)
+    logits = mx.log(mx.array([0.5, 0.3, 0.2]))
+    seen = {li.sample(logits, temperature=2.0, top_p=0.45).item() for _ in range(300)}
+    assert seen == {0, 1}
+
+
+def test_top_p_equal_to_a_cumulative_mass_keeps_the_smallest_set_that_reaches_it():
+    """p = [0.5, 0.25, 0.25] and top-p exactly the first probability (as sample() computes it):
+    one token reaches it, so one is kept (`<=` in place of `<` would keep two)."""
+    mx.random.seed(4)
+    logits = mx.log(mx.array([0.5, 0.25, 0.25]))
+    first = mx.softmax(logits.astype(mx.float32) / 1.0)[0].item()
+    assert {li.sample(logits, temperature=1.0, top_p=first).item() for _ in range(200)} == {0}
+    assert {li.sample(logits, temperature=1.0, top_p=first + 1e-6).item() for _ in range(300)} == {0, 1}
