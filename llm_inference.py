@@ -3,7 +3,7 @@ Steps 1-9 are the nine steps of the article "Inside an LLM: Pure Python Inferenc
 MLX", in its order, with a comment wherever the code departs from it. After generate(): what the
 article leaves out (quantised weights, Qwen3.5), then file checks, download, chat, command line.
 One sequence, no batch; shapes are Qwen3-0.6B's. MLX is lazy: mx.* records, mx.eval computes."""
-import argparse, json, math, os, re, signal, sys, time  # noqa: E401 (standard library)
+import argparse, hashlib, json, math, os, re, signal, sys, time  # noqa: E401 (standard library)
 from functools import partial
 from pathlib import Path
 
@@ -226,7 +226,11 @@ def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None,
 
 # ═══ After generate(): serving the model — errors, file checks, download, chat, command line ═══
 class UserError(Exception):
-    """A problem with the user's flags, files or numbers: the command line prints it as one line."""
+    """A problem with the user's flags, files or numbers: the command line prints it as one line
+    and exits with status (1; 130 for an interrupted download, as Ctrl-C anywhere else)."""
+    def __init__(self, message, status=1):
+        super().__init__(message)
+        self.status = status
 
 def dtype_name(dtype):
     return str(dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
@@ -250,8 +254,7 @@ def read_file(path, parse, what):
     if path.parent.is_file():
         raise UserError(f"{path.parent} is a file, not a folder (a model is a folder)")
     if not path.exists():
-        raise UserError(f"{path.parent} lacks {path.name}. Get the model: hf download {REPO} "
-                        f"{' '.join(FILES)} --local-dir {path.parent}")
+        raise UserError(f"{path.parent} lacks {path.name}")
     try:
         open(path, "rb").close()  # a folder, or a file this user may not read?
     except OSError as e:
@@ -259,7 +262,8 @@ def read_file(path, parse, what):
     try:
         return parse(str(path))
     except Exception as e:  # whatever the parser says of this file, it is not what we need
-        raise UserError(f"{path} is not {what} ({e})") from None
+        raise UserError(f"{path} is not {what} ({e}); for a fresh copy, delete "
+                        f"{os.path.realpath(path)} and download it again") from None
 
 def parse_json(path):
     return json.loads(Path(path).read_text())
@@ -536,25 +540,143 @@ def as_text(data, source="standard input"):
         raise UserError(f"{source} is not UTF-8 text ({where})") from None
 
 def model_folder(model):
-    """--model -> a folder to load: a local folder as it is; the default folder while it lacks
-    files, and a Hugging Face repo id, downloaded first (what is there already is kept)."""
+    """--model -> the folder to load. A local folder as it is (load() names what it lacks); the
+    default folder while it lacks a file, and a repo id not whole in the Hugging Face cache, are
+    downloaded first. A second run asks nothing of the Hub."""
     path = Path(model).resolve()
-    is_repo = not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", model) is not None
-    is_default = path == HERE / "Qwen3-0.6B"
-    complete = all((path / name).exists() for name in FILES)
-    if not is_repo and not (is_default and not complete):
-        return path  # never downloaded: load() names any file it lacks
-    repo = model if is_repo else REPO
-    os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # our one line says what went wrong
+    if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # a folder, not a repo id
+        if path != HERE / "Qwen3-0.6B" or all((path / name).exists() for name in FILES):
+            return path
+        return download(REPO, path, FILES)
+    return cached_folder(model) or download(model, None)
+
+def cached_folder(repo):
+    """repo's folder in the Hugging Face cache if it holds a whole model, asking nothing of the Hub."""
     from huggingface_hub import snapshot_download  # installed with tokenizers
-    try:  # huggingface_hub fetches what is missing; offline, it returns the folder as it is
-        return Path(snapshot_download(repo, local_dir=None if is_repo else path,
-                                      allow_patterns=[*FILES, "*.safetensors*"]))
-    except Exception as e:  # any failure to download is the user's network or repo id
-        files = '--include "*.json" "*.safetensors"' if is_repo else " ".join(FILES)
-        raise UserError(f"could not download {repo} ({type(e).__name__}: {str(e).splitlines()[0]})."
-                        f" Download it by hand: hf download {repo} {files} --local-dir "
-                        f"{path.name if is_repo else path}") from None
+    try:
+        folder = Path(snapshot_download(repo, local_files_only=True))
+        needed = [folder / "config.json", folder / "tokenizer.json", *weight_files(folder)]
+    except Exception:  # not in the cache, or only in part: download() says what goes wrong
+        return None
+    return folder if all(file.exists() for file in needed) else None
+
+def download(repo, local_dir, names=None):
+    """Fetch what is missing of repo's files (names, else the configs, tokenizer and weights the Hub
+    lists) into local_dir (None: the Hugging Face cache), one at a time, shown by Progress; each
+    fetched now is checked against the hash the Hub announced for it. -> the folder."""
+    from huggingface_hub import HfApi, hf_hub_download, logging
+    logging.set_verbosity_error()  # its warnings and retries: our lines say what happens
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: huggingface_hub tidies up
+    name = "the file list"
+    try:
+        files = HfApi().model_info(repo, files_metadata=True).siblings  # sizes and hashes too
+        for name in set(names or []) - {file.rfilename for file in files}:
+            raise UserError(f"could not download {name} of {repo}: the Hub does not list it")
+        for file in files:
+            name = file.rfilename
+            if (names and name not in names) or not re.fullmatch(r"[^/]+\.(json|safetensors)", name):
+                continue
+            Progress.waiting(name)
+            path = Path(hf_hub_download(repo, name, local_dir=local_dir, tqdm_class=Progress))
+            if name in Progress.fetched:  # it came over the network now, not from an earlier run
+                check_hash(path, file)
+    except KeyboardInterrupt:
+        raise UserError("the download was interrupted; run the same command again to finish it",
+                        130) from None
+    except UserError:
+        raise
+    except Exception as e:  # the network, the Hub, the disk: say which file and what went wrong
+        raise UserError(f"could not download {name} of {repo}: {hub_trouble(e)}. By hand: "
+                        f"{hand_command(repo, local_dir, names)}") from None
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        Progress.waiting()
+    return path.parent
+
+class Progress:
+    """A file's download as huggingface_hub reports it (it takes this as its tqdm_class): at a
+    terminal one line redrawn in place, done / total, speed and time left, ended when the file is
+    complete; otherwise one line per file. Xet's network bytes (update_transfer) are not shown."""
+    fetched = set()  # the files that came over the network in this run
+    redraw = "\r\x1b[K"   # at a terminal: back to the line's start, and clear it
+
+    def __init__(self, desc="", total=None, initial=0, **unused):  # desc: a file name or URL
+        self.name = desc.split(": ")[0].split("/")[-1].replace("(…)", "")
+        self.total, self.n, self.start, self.shown = total or 0, initial, time.monotonic(), 0.0
+        self.closed = False
+        Progress.fetched.add(self.name)
+
+    @staticmethod
+    def waiting(name=None):  # at a terminal: which file the Hub is being asked for (None: clear)
+        if sys.stderr.isatty():
+            print(Progress.redraw + (f"{name}: asking the Hub" if name else ""), end="",
+                  file=sys.stderr, flush=True)
+
+    def update(self, n=1):
+        self.n, now = self.n + n, time.monotonic()
+        if sys.stderr.isatty() and now - self.shown > 0.25:  # a few redraws a second at most
+            self.shown, speed = now, self.n / max(now - self.start, 1e-9)
+            left = f", {(self.total - self.n) / speed:.0f} s left" if self.total > self.n else ""
+            print(f"{self.redraw}{self.name}: {self.n / 1e6:.1f} / {self.total / 1e6:.1f} MB, "
+                  f"{speed / 1e6:.1f} MB/s{left}", end="", file=sys.stderr, flush=True)
+
+    def close(self):  # the file is complete: its line, ended
+        if not self.closed:
+            self.closed = True
+            size = f"{self.n / 1e6:.1f} MB" if self.n >= 1e5 else f"{self.n / 1e3:.1f} kB"
+            start = self.redraw if sys.stderr.isatty() else ""
+            print(f"{start}{self.name}: {size} downloaded", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.close()
+
+    def update_transfer(self, n=1):  # hf_xet's: bytes received, where update() counts bytes written
+        pass
+
+    def set_postfix_str(self, *args, **kwargs):  # huggingface_hub's speed text: shown by update()
+        pass
+
+    set_transfer_postfix_str = refresh = set_postfix_str
+
+def check_hash(path, file):
+    """A file just downloaded against the hash the Hub announced for it: the SHA-256 of a large
+    (LFS) file, git's SHA-1 of "blob <size>\\0" + the bytes of a small one. A file that differs is
+    removed, so that the next run fetches it again."""
+    digest = hashlib.sha256() if file.lfs else hashlib.sha1(f"blob {file.size}\0".encode())
+    with open(path, "rb") as f:
+        block = f.read(1 << 24)
+        while block:
+            digest.update(block)
+            block = f.read(1 << 24)
+    expected = file.lfs.sha256 if file.lfs else file.blob_id
+    if digest.hexdigest() != expected:
+        os.remove(os.path.realpath(path))  # in the cache, the blob the link names
+        path.unlink(missing_ok=True)
+        raise UserError(f"{path} is not the file the Hub announced (hash {digest.hexdigest()[:12]}..."
+                        f", not {expected[:12]}...): damaged on the way, removed; run again to fetch it")
+
+def hub_trouble(error):
+    """What went wrong with a download, in a few words: what the Hub answered, or why it did not."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError
+    cause = error.__cause__ or error.__context__ or error  # huggingface_hub wraps what it met
+    for e in (error, cause):
+        if isinstance(e, HfHubHTTPError) and e.response is not None:
+            return f"the Hub answered {e.response.status_code} {e.response.reason_phrase}"
+    if constants.HF_HUB_OFFLINE:
+        return "offline: HF_HUB_OFFLINE is set"
+    if isinstance(error, OSError) and not isinstance(cause, ConnectionError | TimeoutError):
+        return f"{type(error).__name__}: {str(error).splitlines()[0]}"  # the disk: full, say
+    return f"{constants.ENDPOINT} could not be reached ({type(cause).__name__})"
+
+def hand_command(repo, local_dir, names):
+    """The command that downloads by hand what download() would, and then how to run on it."""
+    if local_dir is not None:
+        return f"hf download {repo} {' '.join(names)} --local-dir {local_dir}"
+    return f'hf download {repo} --include "*.json" --include "*.safetensors", then --model {repo}'
 
 class Flags(argparse.ArgumentParser):
     def error(self, message):  # argparse's own: its usage, then exit 2; ours: one line
@@ -628,4 +750,5 @@ if __name__ == "__main__":
     try:
         main()
     except UserError as e:  # the user's flags, files or numbers: one line; a bug, its traceback
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.status)

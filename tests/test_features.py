@@ -167,46 +167,6 @@ def test_empty_line_ends_conversation(checkpoint):
     assert r.returncode == 0 and r.stdout.count("[KV cache:") == 1
 
 
-@pytest.fixture
-def script_copy(tmp_path):
-    """llm_inference.py alone in an empty folder: its default Qwen3-0.6B/ does not exist."""
-    shutil.copy(ROOT / "llm_inference.py", tmp_path)
-    return tmp_path
-
-
-def run_copy(folder, *args, home):
-    env = dict(HF_HUB_OFFLINE="1", HF_HOME=str(home))
-    return run_cli(*args, env=env, script=folder / "llm_inference.py")
-
-
-def test_offline_first_run_gives_the_download_command(script_copy, tmp_path):
-    r = run_copy(script_copy, home=tmp_path / "hf")
-    assert_error(r, "could not download Qwen/Qwen3-0.6B", "hf download Qwen/Qwen3-0.6B config.json "
-                 "generation_config.json tokenizer.json tokenizer_config.json model.safetensors "
-                 f"--local-dir {script_copy / 'Qwen3-0.6B'}")
-    assert not (script_copy / "Qwen3-0.6B" / "model.safetensors").exists()
-
-
-def test_partial_download_is_not_a_model(script_copy, checkpoint, tmp_path):
-    """Offline, huggingface_hub hands back the default folder as it is; what it lacks is named,
-    with the command that fetches it."""
-    partial = script_copy / "Qwen3-0.6B"
-    partial.mkdir()
-    for name in ("config.json", "tokenizer.json"):
-        shutil.copy(checkpoint() / name, partial)
-    assert_error(run_copy(script_copy, home=tmp_path / "hf"), f"{partial} lacks model.safetensors",
-                 "hf download Qwen/Qwen3-0.6B")
-    shutil.copy(checkpoint() / "model.safetensors", partial)  # complete: used, never downloaded
-    r = run_copy(script_copy, "-m", "3", home=tmp_path / "hf")
-    assert r.returncode == 0 and "Generation: 3 tokens" in r.stdout, r.stderr
-
-
-def test_repo_id_offline(tmp_path):
-    r = run_cli("--model", "Qwen/Qwen3-1.7B", env=dict(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path)))
-    assert_error(r, "could not download Qwen/Qwen3-1.7B",
-                 'hf download Qwen/Qwen3-1.7B --include "*.json" "*.safetensors" --local-dir Qwen3-1.7B')
-
-
 def test_local_folder_never_downloads(tmp_path):
     (tmp_path / "org" / "name").mkdir(parents=True)  # looks like a repo id, but exists here
     for folder in (str(tmp_path / "org" / "name"), "org/name"):
