@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+from tqdm import tqdm  # installed with huggingface_hub, with tokenizers: the download's display
 
 # ═══ Before Step 1: the recipe, the ingredients, the dictionary ═══
 W = {}           # Hugging Face tensor name -> array, e.g. W["model.norm.weight"] (1024,)
@@ -226,20 +227,10 @@ def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None,
 
 # ═══ After generate(): serving the model — errors, file checks, download, chat, command line ═══
 class UserError(Exception):
-    """A problem with the user's flags, files or numbers: the command line prints it as one line
-    and exits with status (1; 130 for an interrupted download, as Ctrl-C anywhere else)."""
+    """The user's flags, files or numbers: printed as one line; exit status 1 (130: interrupted)."""
     def __init__(self, message, status=1):
         super().__init__(message)
         self.status = status
-
-def dtype_name(dtype):
-    return str(dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
-
-def not_finite(where, dtype):
-    """The error for logits that hold NaN or inf: the weights are finite (checked at load), so the
-    activations overflowed the dtype (float16 holds at most 65504)."""
-    return UserError(f"the logits {where} are not finite (NaN or inf) in {dtype_name(dtype)}: the"
-                     " activations overflow it; compute in float32 (--dtype float32)")
 
 HERE = Path(__file__).resolve().parent
 REPO = "Qwen/Qwen3-0.6B"
@@ -268,8 +259,7 @@ def read_file(path, parse, what):
 def parse_json(path):
     return json.loads(Path(path).read_text())
 
-def shown_json(value, most=60):
-    """A config value as JSON, shortened to `most` characters with "..." for an error line."""
+def shown_json(value, most=60):  # a config value in an error line, cut with "..." if long
     text = json.dumps(value)
     return text if len(text) <= most else text[:most - 4] + " ..."
 
@@ -282,7 +272,7 @@ CONFIG = {  # each config.json entry that load() reads -> the kind of value it m
     "vocab_size": "count", "max_position_embeddings": "count", "head_dim": "even",
     "rms_norm_eps": "positive", "rope_theta": "positive", "tie_word_embeddings": "bool",
     "eos_token_id": "ids"}
-UNSUPPORTED = {  # config.json entries that change the math -> (the value computed here, what else is)
+UNSUPPORTED = {  # config.json entries that change the math -> (the value computed here, else what)
     "rope_scaling": (None, "a scaled RoPE (YaRN and its kin)"),
     "attention_bias": (False, "biases in the attention projections"),
     "hidden_act": ("silu", "an activation other than SiLU"),
@@ -291,7 +281,7 @@ UNSUPPORTED = {  # config.json entries that change the math -> (the value comput
     "quantization": (None, "MLX's quantised weights")}
 
 def fits(value, kind):
-    """Does a config value have the kind that CONFIG names?"""
+    """Does a config value have the kind CONFIG names (model_type: is it that name)?"""
     if kind in ("count", "even"):
         return type(value) is int and value >= 1 and (kind == "count" or value % 2 == 0)
     if kind == "positive":
@@ -299,12 +289,14 @@ def fits(value, kind):
     if kind == "bool":
         return type(value) is bool
     if kind == "ids":
-        ids = value if isinstance(value, list) else [value]
-        return value is None or all(type(i) is int and i >= 0 for i in ids)
-    return value == kind  # model_type
+        return value is None or all(type(i) is int and i >= 0 for i in as_list(value))
+    return value == kind
+
+def as_list(ids):  # an EOS entry: an id, a list of them, or null
+    return ids if isinstance(ids, list) else [ids]
 
 def read_configs(model_dir):
-    """config.json's CONFIG entries, each checked; "eos_ids": its and generation_config.json's."""
+    """config.json's CONFIG entries, each checked, and "eos_ids": its and generation_config.json's."""
     path, gen_path = Path(model_dir) / "config.json", Path(model_dir) / "generation_config.json"
     cfg = read_file(path, parse_json, "valid JSON")
     gen = read_file(gen_path, parse_json, "valid JSON") if gen_path.exists() else {}
@@ -323,7 +315,7 @@ def read_configs(model_dir):
         if not fits(cfg[name], kind):
             what = KINDS.get(kind, f'"{kind}" (this script runs dense Qwen3 models)')
             raise UserError(f"{path}: {name} must be {what}, not {json.dumps(cfg[name])}")
-    if "eos_token_id" in gen and not fits(gen["eos_token_id"], "ids"):
+    if not fits(gen.get("eos_token_id"), "ids"):
         raise UserError(f"{gen_path}: eos_token_id must be {KINDS['ids']}, "
                         f"not {json.dumps(gen['eos_token_id'])}")
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
@@ -332,15 +324,12 @@ def read_configs(model_dir):
         if cfg.get(name, computed) != computed:
             raise UserError(f"{path}: {name} is {shown_json(cfg[name])}: this script does not run "
                             f"{other}")
-    eos = set()
-    for ids in (cfg["eos_token_id"], gen.get("eos_token_id")):
-        eos |= set(ids if isinstance(ids, list) else [ids]) - {None}
+    eos = set(as_list(cfg["eos_token_id"]) + as_list(gen.get("eos_token_id"))) - {None}
     return {**{name: cfg[name] for name in CONFIG}, "eos_ids": eos}
 
 def weight_files(folder):
-    """{file: the tensors to take from it (None: all)}: what model.safetensors.index.json names,
-    else model.safetensors. No other *.safetensors is read: an older download or another
-    checkpoint left in the folder would make a model of two."""
+    """{file: the tensors to read from it, None for all}: what model.safetensors.index.json names,
+    else model.safetensors. No other *.safetensors: an older download left there would mix in."""
     index = folder / "model.safetensors.index.json"
     if not index.exists():
         return {folder / "model.safetensors": None}
@@ -355,7 +344,7 @@ def weight_files(folder):
 
 def read_weights(model_dir, cfg, dtype):
     """The checkpoint's files -> W: the tensors the model uses, each of the shape config.json
-    predicts and finite in dtype (or their own), read from disk now."""
+    predicts and finite in dtype (or in their own), read from disk now."""
     folder, weights, source = Path(model_dir), {}, {}
     for file, names in weight_files(folder).items():
         tensors = read_file(file, mx.load, "a complete safetensors file")  # lazy: read on use
@@ -370,14 +359,12 @@ def read_weights(model_dir, cfg, dtype):
     tied = "lm_head.weight" if cfg["tie_word_embeddings"] else None  # the embedding: checked once
     sums = {name: w.sum() for name, w in weights.items() if name != tied}  # NaN or inf: not finite
     mx.eval(weights, sums)  # read every weight now, so that generation times only generation
-    for name, total in sums.items():
-        if mx.isfinite(total).item() or mx.isfinite(weights[name]).all().item():
-            continue  # (a sum can overflow float16 by itself: then the elements are checked)
-        if dtype is None:
-            raise UserError(f"tensor {name} in {source[name]} holds NaN or inf: the file is "
-                            "damaged; download it again")
-        raise UserError(f"tensor {name} in {source[name]} does not fit in {dtype_name(dtype)}: "
-                        "some of its values become inf (--dtype float32 holds them)")
+    for name, total in sums.items():  # (a sum can overflow float16 alone: then check each value)
+        if not mx.isfinite(total).item() and not mx.isfinite(weights[name]).all().item():
+            why = "the file is damaged; download it again"
+            if dtype is not None:  # the cast to dtype made them inf
+                why = f"its values are too large for {dtype_name(dtype)} (float32 holds them)"
+            raise UserError(f"tensor {name} in {source[name]} holds NaN or inf: {why}")
     return weights
 
 def checked_shapes(weights, cfg, folder):
@@ -388,13 +375,12 @@ def checked_shapes(weights, cfg, folder):
              "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
              "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,), "mlp.gate_proj": (f, d),
              "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
-    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
-              "lm_head.weight": (v, d)}
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
     for i in range(cfg["num_hidden_layers"]):
         shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in layer.items()})
     for name, shape in shapes.items():
+        untied = " (tie_word_embeddings is false)" if name == "lm_head.weight" else ""
         if weights.get(name) is None:
-            untied = " (tie_word_embeddings is false)" if name == "lm_head.weight" else ""
             raise UserError(f"tensor {name} is missing in {folder}{untied}; expected shape {shape}")
         if weights[name].shape != shape:
             raise UserError(f"tensor {name} has shape {weights[name].shape} in {folder}; "
@@ -410,6 +396,121 @@ def read_tokenizer(model_dir, cfg):
         raise UserError(f"{path} has ids up to {top}, past the {cfg['vocab_size']} rows of the "
                         f"embedding (vocab_size in {path.parent / 'config.json'}): another model?")
     return tok
+
+def dtype_name(dtype):
+    return str(dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
+
+def not_finite(where, dtype):  # the weights are finite (load checks them): the numbers overflowed
+    return UserError(f"the logits {where} are not finite (NaN or inf) in {dtype_name(dtype)}: the "
+                     "activations overflow it; compute in float32 (--dtype float32)")
+
+def model_folder(model):
+    """--model -> the folder to load. A local folder as it is (load() names what it lacks); the
+    default folder while it lacks a file, and a repo id not whole in the Hugging Face cache, are
+    downloaded first. A second run asks nothing of the Hub."""
+    path = Path(model).resolve()
+    if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # a folder, not a repo id
+        if path != HERE / "Qwen3-0.6B" or all((path / name).exists() for name in FILES):
+            return path
+        return download(REPO, path, FILES)
+    from huggingface_hub import snapshot_download  # installed with tokenizers
+    try:  # a repo id already whole in the cache is read from there
+        folder = Path(snapshot_download(model, local_files_only=True))
+        needed = [folder / "config.json", folder / "tokenizer.json", *weight_files(folder)]
+        if all(file.exists() for file in needed):
+            return folder
+    except Exception:  # not in the cache, or only in part: download() says what goes wrong
+        pass
+    return download(model, None)
+
+def download(repo, local_dir, names=None):
+    """Fetch what is missing of repo's files (names, else the configs, tokenizer and weights the Hub
+    lists) into local_dir (None: the Hugging Face cache), one at a time, shown by Progress; each
+    fetched now is checked against the hash the Hub announced for it. -> the folder."""
+    from huggingface_hub import HfApi, hf_hub_download, logging
+    logging.set_verbosity_error()  # its warnings and retries: our lines say what happened
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: huggingface_hub tidies up
+    name = "the file list"
+    try:
+        files = HfApi().model_info(repo, files_metadata=True).siblings  # sizes and hashes too
+        for name in set(names or []) - {file.rfilename for file in files}:
+            raise UserError(f"could not download {name} of {repo}: the Hub does not list it")
+        for file in files:
+            name = file.rfilename
+            if (names and name not in names) or not re.fullmatch(r"[^/]+\.(json|safetensors)", name):
+                continue
+            path = Path(hf_hub_download(repo, name, local_dir=local_dir, tqdm_class=Progress))
+            if name in Progress.fetched:  # it came over the network now, not in an earlier run
+                check_hash(path, file)
+    except KeyboardInterrupt:
+        raise UserError("the download was interrupted; run the same command again to finish it",
+                        130) from None
+    except UserError:
+        raise
+    except Exception as e:  # the network, the Hub, the disk: say which file and what went wrong
+        raise UserError(f"could not download {name} of {repo}: {hub_trouble(e)}. By hand: "
+                        f"{hand_command(repo, local_dir, names)}") from None
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return path.parent
+
+class Progress(tqdm):
+    """How a download shows (huggingface_hub takes this as its tqdm_class): at a terminal, one
+    line per file redrawn in place (bytes so far / total, speed, time left), ended when complete;
+    otherwise one line per file, once complete. Xet's network bytes (update_transfer) not shown."""
+    fetched = set()  # the files that came over the network in this run
+
+    def __init__(self, *args, desc="", **kwargs):  # desc: a file name, or its URL
+        self.name = desc.split(": ")[0].split("/")[-1].replace("(…)", "")
+        Progress.fetched.add(self.name)
+        kwargs.update(position=None, leave=True, file=sys.stderr, disable=not sys.stderr.isatty(),
+                      bar_format="{desc}: {n_fmt}B / {total_fmt}B, {rate_fmt}, {remaining} left")
+        super().__init__(*args, desc=self.name, **kwargs)
+
+    def close(self):  # the file is complete: its line, once
+        if self.disable and self.name in Progress.fetched:
+            print(f"{self.name}: {self.format_sizeof(self.total or 0)}B downloaded", file=sys.stderr)
+        self.bar_format, self.name = "{desc}: {total_fmt}B downloaded", ""
+        super().close()
+
+    def update_transfer(self, *args, **kwargs):  # Xet's bytes received: update() counts those kept
+        pass
+
+    set_transfer_postfix_str = update_transfer
+
+def check_hash(path, file):
+    """A file just downloaded against the hash the Hub announced: the SHA-256 of a large (LFS)
+    file, git's SHA-1 of "blob <size>\\0" + the bytes of a small one. One that differs is removed."""
+    digest = hashlib.sha256() if file.lfs else hashlib.sha1(f"blob {file.size}\0".encode())
+    with open(path, "rb") as f:
+        block = f.read(1 << 24)
+        while block:
+            digest.update(block)
+            block = f.read(1 << 24)
+    expected = file.lfs.sha256 if file.lfs else file.blob_id
+    if digest.hexdigest() != expected:
+        os.remove(os.path.realpath(path))  # in the cache, the blob the link names
+        path.unlink(missing_ok=True)
+        raise UserError(f"{path} is not the file the Hub announced (hash {digest.hexdigest()[:12]}"
+                        f"..., not {expected[:12]}...): damaged on the way, removed; run again "
+                        "to fetch it")
+
+def hub_trouble(error):
+    """What went wrong with a download, in a few words: what the Hub answered, or why it did not."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError
+    cause = error.__cause__ or error.__context__ or error  # huggingface_hub wraps what it met
+    for e in (error, cause):
+        if isinstance(e, HfHubHTTPError) and e.response is not None:
+            return f"the Hub answered {e.response.status_code} {e.response.reason_phrase}"
+    if constants.HF_HUB_OFFLINE:
+        return "offline: HF_HUB_OFFLINE is set"
+    return f"{constants.ENDPOINT} could not be reached ({type(cause).__name__})"
+
+def hand_command(repo, local_dir, names):  # what download() would do, done by hand
+    if local_dir is not None:
+        return f"hf download {repo} {' '.join(names)} --local-dir {local_dir}"
+    return f'hf download {repo} --include "*.json" --include "*.safetensors", then --model {repo}'
 
 def stream_text(token_ids):
     """Yield (id, the text it adds). A character split over two tokens (emoji, CJK) comes whole."""
@@ -428,20 +529,18 @@ def chat_prompt(turns, system=None, think=True):
         text += f"<|im_start|>{role}\n{turn}<|im_end|>\n"
     return text + "<|im_start|>assistant\n" + ("" if think else "<think>\n\n</think>\n\n")
 
-def reusable(cached_ids, prompt_ids):
-    """How many cached positions a new prompt keeps: the common prefix of the ids, leaving at
-    least the prompt's last token to compute (its logits give the reply's first token)."""
-    n = 0
-    while n < min(len(cached_ids), len(prompt_ids) - 1) and cached_ids[n] == prompt_ids[n]:
-        n += 1
-    return n
+def chat_prompt_ids(turns, args):
+    return tokenize(chat_prompt(turns, args.system, not args.no_think))
 
-def cache_bytes(cache, positions=None):
-    """The bytes of every layer's keys and values at positions 0..positions-1 (or all of them)."""
+def reusable(cached_ids, prompt_ids):
+    """How many cached positions a new prompt keeps: the ids' common prefix, leaving at least the
+    prompt's last token to compute (its logits give the reply's first token)."""
+    return len(os.path.commonprefix([cached_ids, prompt_ids[:-1]]))  # element by element
+
+def cache_bytes(cache, positions=None):  # the keys' and values' bytes at 0..positions-1 (or all)
     return sum(keys[:, :positions].nbytes + values[:, :positions].nbytes for keys, values in cache)
 
-def shown(token):
-    """A token's text, quoted so that a leading space or a newline shows; special tokens by name."""
+def shown(token):  # a token's text, quoted (a leading space shows), special tokens by name
     return repr(TOK.decode([token], skip_special_tokens=False))
 
 def top_tokens(logits, k, where="the prompt"):
@@ -457,8 +556,7 @@ def logit_lens(hidden):
     model stopped there: through lm_head(), its final norm too (else early blocks read as noise)."""
     return [top_tokens(lm_head(x)[-1], 1, f"block {i}")[0] for i, x in enumerate(hidden, 1)]
 
-def bar_row(label, token, p):
-    """One row of a probability table: the token quoted, p, and a bar of 30 blocks for p = 1."""
+def bar_row(label, token, p):  # a row of a probability table: 30 blocks for p = 1
     return f"{label:>10} {shown(token):>18} {p:<8.4g}{'█' * round(30 * p)}"
 
 def explain(prompt_ids, hidden):
@@ -493,21 +591,18 @@ def reply(prompt_ids, args, cache, start=0, echo=""):
         first = first or time.perf_counter()  # the first token ends the prefill
         generated.append(token)
         print(piece, end="", flush=True)
-    print_stats(len(prompt_ids), len(generated), tic, first or time.perf_counter())
-    print(f"KV cache: {held + len(generated)} positions, "
-          f"{cache_bytes(cache, held + len(generated)) / 1e6:.3f} MB "
-          f"({cache_bytes(cache) / 1e6:.3f} MB allocated)", flush=True)
+    print_stats(len(prompt_ids), len(generated), tic, first or time.perf_counter(), cache, held)
     return generated
 
-def print_stats(n_prompt, n, tic, first):
-    """The lines mlx_lm.generate prints: the prompt's speed (up to the first token), the rest's."""
+def print_stats(n_prompt, n, tic, first, cache, held):
+    """The lines mlx_lm.generate prints (the prompt's speed: up to the first token), then the
+    KV cache's: the positions it holds and their bytes (of the bytes its buffers hold)."""
     end = time.perf_counter()
     print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (first - tic):.3f} tokens-per-sec")
     print(f"Generation: {n} tokens, {max(n - 1, 0) / max(end - first, 1e-9):.3f} tokens-per-sec")
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-
-def chat_prompt_ids(turns, args):
-    return tokenize(chat_prompt(turns, args.system, not args.no_think))
+    print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
+          f"({cache_bytes(cache) / 1e6:.3f} MB allocated)", flush=True)
 
 def converse(args):
     """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:
@@ -531,152 +626,12 @@ def converse(args):
         cached_ids = prompt_ids + generated  # what generate() leaves in the cache
 
 def as_text(data, source="standard input"):
-    """Bytes (from standard input, or a flag given as bytes) -> text, or a UserError that says
-    where they are not UTF-8."""
+    """Bytes (standard input, or a flag given as bytes) -> text; where they are not UTF-8, a UserError."""
     try:
         return data.decode()
     except UnicodeDecodeError as e:
         where = f"{e.reason} at byte {e.start}"
         raise UserError(f"{source} is not UTF-8 text ({where})") from None
-
-def model_folder(model):
-    """--model -> the folder to load. A local folder as it is (load() names what it lacks); the
-    default folder while it lacks a file, and a repo id not whole in the Hugging Face cache, are
-    downloaded first. A second run asks nothing of the Hub."""
-    path = Path(model).resolve()
-    if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # a folder, not a repo id
-        if path != HERE / "Qwen3-0.6B" or all((path / name).exists() for name in FILES):
-            return path
-        return download(REPO, path, FILES)
-    return cached_folder(model) or download(model, None)
-
-def cached_folder(repo):
-    """repo's folder in the Hugging Face cache if it holds a whole model, asking nothing of the Hub."""
-    from huggingface_hub import snapshot_download  # installed with tokenizers
-    try:
-        folder = Path(snapshot_download(repo, local_files_only=True))
-        needed = [folder / "config.json", folder / "tokenizer.json", *weight_files(folder)]
-    except Exception:  # not in the cache, or only in part: download() says what goes wrong
-        return None
-    return folder if all(file.exists() for file in needed) else None
-
-def download(repo, local_dir, names=None):
-    """Fetch what is missing of repo's files (names, else the configs, tokenizer and weights the Hub
-    lists) into local_dir (None: the Hugging Face cache), one at a time, shown by Progress; each
-    fetched now is checked against the hash the Hub announced for it. -> the folder."""
-    from huggingface_hub import HfApi, hf_hub_download, logging
-    logging.set_verbosity_error()  # its warnings and retries: our lines say what happens
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: huggingface_hub tidies up
-    name = "the file list"
-    try:
-        files = HfApi().model_info(repo, files_metadata=True).siblings  # sizes and hashes too
-        for name in set(names or []) - {file.rfilename for file in files}:
-            raise UserError(f"could not download {name} of {repo}: the Hub does not list it")
-        for file in files:
-            name = file.rfilename
-            if (names and name not in names) or not re.fullmatch(r"[^/]+\.(json|safetensors)", name):
-                continue
-            Progress.waiting(name)
-            path = Path(hf_hub_download(repo, name, local_dir=local_dir, tqdm_class=Progress))
-            if name in Progress.fetched:  # it came over the network now, not from an earlier run
-                check_hash(path, file)
-    except KeyboardInterrupt:
-        raise UserError("the download was interrupted; run the same command again to finish it",
-                        130) from None
-    except UserError:
-        raise
-    except Exception as e:  # the network, the Hub, the disk: say which file and what went wrong
-        raise UserError(f"could not download {name} of {repo}: {hub_trouble(e)}. By hand: "
-                        f"{hand_command(repo, local_dir, names)}") from None
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        Progress.waiting()
-    return path.parent
-
-class Progress:
-    """A file's download as huggingface_hub reports it (it takes this as its tqdm_class): at a
-    terminal one line redrawn in place, done / total, speed and time left, ended when the file is
-    complete; otherwise one line per file. Xet's network bytes (update_transfer) are not shown."""
-    fetched = set()  # the files that came over the network in this run
-    redraw = "\r\x1b[K"   # at a terminal: back to the line's start, and clear it
-
-    def __init__(self, desc="", total=None, initial=0, **unused):  # desc: a file name or URL
-        self.name = desc.split(": ")[0].split("/")[-1].replace("(…)", "")
-        self.total, self.n, self.start, self.shown = total or 0, initial, time.monotonic(), 0.0
-        self.closed = False
-        Progress.fetched.add(self.name)
-
-    @staticmethod
-    def waiting(name=None):  # at a terminal: which file the Hub is being asked for (None: clear)
-        if sys.stderr.isatty():
-            print(Progress.redraw + (f"{name}: asking the Hub" if name else ""), end="",
-                  file=sys.stderr, flush=True)
-
-    def update(self, n=1):
-        self.n, now = self.n + n, time.monotonic()
-        if sys.stderr.isatty() and now - self.shown > 0.25:  # a few redraws a second at most
-            self.shown, speed = now, self.n / max(now - self.start, 1e-9)
-            left = f", {(self.total - self.n) / speed:.0f} s left" if self.total > self.n else ""
-            print(f"{self.redraw}{self.name}: {self.n / 1e6:.1f} / {self.total / 1e6:.1f} MB, "
-                  f"{speed / 1e6:.1f} MB/s{left}", end="", file=sys.stderr, flush=True)
-
-    def close(self):  # the file is complete: its line, ended
-        if not self.closed:
-            self.closed = True
-            size = f"{self.n / 1e6:.1f} MB" if self.n >= 1e5 else f"{self.n / 1e3:.1f} kB"
-            start = self.redraw if sys.stderr.isatty() else ""
-            print(f"{start}{self.name}: {size} downloaded", file=sys.stderr, flush=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exception):
-        self.close()
-
-    def update_transfer(self, n=1):  # hf_xet's: bytes received, where update() counts bytes written
-        pass
-
-    def set_postfix_str(self, *args, **kwargs):  # huggingface_hub's speed text: shown by update()
-        pass
-
-    set_transfer_postfix_str = refresh = set_postfix_str
-
-def check_hash(path, file):
-    """A file just downloaded against the hash the Hub announced for it: the SHA-256 of a large
-    (LFS) file, git's SHA-1 of "blob <size>\\0" + the bytes of a small one. A file that differs is
-    removed, so that the next run fetches it again."""
-    digest = hashlib.sha256() if file.lfs else hashlib.sha1(f"blob {file.size}\0".encode())
-    with open(path, "rb") as f:
-        block = f.read(1 << 24)
-        while block:
-            digest.update(block)
-            block = f.read(1 << 24)
-    expected = file.lfs.sha256 if file.lfs else file.blob_id
-    if digest.hexdigest() != expected:
-        os.remove(os.path.realpath(path))  # in the cache, the blob the link names
-        path.unlink(missing_ok=True)
-        raise UserError(f"{path} is not the file the Hub announced (hash {digest.hexdigest()[:12]}..."
-                        f", not {expected[:12]}...): damaged on the way, removed; run again to fetch it")
-
-def hub_trouble(error):
-    """What went wrong with a download, in a few words: what the Hub answered, or why it did not."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import HfHubHTTPError
-    cause = error.__cause__ or error.__context__ or error  # huggingface_hub wraps what it met
-    for e in (error, cause):
-        if isinstance(e, HfHubHTTPError) and e.response is not None:
-            return f"the Hub answered {e.response.status_code} {e.response.reason_phrase}"
-    if constants.HF_HUB_OFFLINE:
-        return "offline: HF_HUB_OFFLINE is set"
-    if isinstance(error, OSError) and not isinstance(cause, ConnectionError | TimeoutError):
-        return f"{type(error).__name__}: {str(error).splitlines()[0]}"  # the disk: full, say
-    return f"{constants.ENDPOINT} could not be reached ({type(cause).__name__})"
-
-def hand_command(repo, local_dir, names):
-    """The command that downloads by hand what download() would, and then how to run on it."""
-    if local_dir is not None:
-        return f"hf download {repo} {' '.join(names)} --local-dir {local_dir}"
-    return f'hf download {repo} --include "*.json" --include "*.safetensors", then --model {repo}'
 
 class Flags(argparse.ArgumentParser):
     def error(self, message):  # argparse's own: its usage, then exit 2; ours: one line
@@ -711,8 +666,8 @@ def parse_args(argv):
             ap.error(message)
     return args
 
-def main(argv=None):
-    args = parse_args(argv)
+def read_prompt(args):
+    """--prompt's text (standard input's, for "-"), checked; standard streams checked first."""
     if sys.stdout is None:  # started with it closed (>&-): print() would drop the text silently
         raise UserError("standard output is closed: there is nowhere to print the text")
     if sys.stdin is None and (args.prompt == "-" or args.chat and args.prompt is None):
@@ -725,6 +680,11 @@ def main(argv=None):
             as_text(value.encode(errors="surrogateescape"), flag)
     if text == "":
         raise UserError("the prompt is empty (see --help)")
+    return text
+
+def main(argv=None):
+    args = parse_args(argv)
+    text = read_prompt(args)
     if args.seed is not None:
         mx.random.seed(args.seed)
     folder = model_folder(args.model)
@@ -741,8 +701,8 @@ def main(argv=None):
     elif args.chat:
         reply(chat_prompt_ids([text], args), args, [None] * N_LAYERS)
     else:
-        text = text or "The capital of France is"
-        reply(tokenize(text), args, [None] * N_LAYERS, echo=text)
+        reply(tokenize(text or "The capital of France is"), args, [None] * N_LAYERS,
+              echo=text or "The capital of France is")
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130
