@@ -1,7 +1,6 @@
-"""Qwen3 from scratch: MLX arrays and the `tokenizers` library, nothing else.
-Steps 1-9 are the nine steps of the article "Inside an LLM: Pure Python Inference for Qwen3-0.6B on
-MLX", in its order, with a comment wherever the code departs from it. After generate(): what the
-article leaves out (quantised weights, Qwen3.5), then file checks, download, chat, command line.
+"""Qwen3 from scratch in MLX. Steps 1-9: the article "Inside an LLM: Pure Python Inference for
+Qwen3-0.6B on MLX", in its order, a comment wherever the code departs from it. After generate(): what
+it leaves out (quantised weights, Qwen3.5), then file checks, download, chat and the command line.
 One sequence, no batch; shapes are Qwen3-0.6B's. MLX is lazy: mx.* records, mx.eval computes."""
 import argparse, hashlib, json, math, os, re, signal, sys, time  # noqa: E401 (standard library)
 from functools import partial
@@ -32,12 +31,14 @@ def load(model_dir, dtype=None):
     global W, TOK, D, N_LAYERS, N_HEADS, N_KV, HEAD_DIM, EPS, THETA, MAX_POS, EOS_IDS
     cfg = read_configs(model_dir)  # config.json, generation_config.json: checked (after generate())
     D, N_LAYERS, HEAD_DIM = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
-    N_HEADS, N_KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    N_HEADS, N_KV, EOS_IDS = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["eos_ids"]
     EPS, THETA, MAX_POS = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["max_position_embeddings"]
-    EOS_IDS = cfg["eos_ids"]  # config.json's and generation_config.json's
     W = read_weights(model_dir, cfg, dtype)  # each tensor the model uses, of its right shape
     TOK = read_tokenizer(model_dir, cfg)  # every id a row of the embedding table
     return cfg
+
+def linear(x, name):  # x @ W[name + ".weight"].T, the article's product (4/8-bit: after generate())
+    return quantized_linear(x, name) if name + ".scales" in W else x @ W[name + ".weight"].T
 
 # ═══ Step 1. Tokenize — text becomes ids, numbers in the model's own dictionary ═══
 def tokenize(text):
@@ -47,6 +48,8 @@ def tokenize(text):
 # ═══ Step 2. Embed — each id picks its row of a table: the token's meaning, before context ═══
 def embed(token_ids):
     """L ids -> (L, D): row i of model.embed_tokens.weight (151936, 1024) for id i."""
+    if "model.embed_tokens.scales" in W:  # quantised (after generate()): these rows unpacked
+        return embed_quantized(mx.array(token_ids))
     return W["model.embed_tokens.weight"][mx.array(token_ids)]        # (L, 1024)
 
 # ═══ Step 3. RMSNorm — turn the volume to a standard level, then a learned gain per channel ═══
@@ -62,9 +65,8 @@ def rms_norm(x, w, eps):
 
 # ═══ Step 4. RoPE — a clock hand per pair of dimensions, turned by the token's position ═══
 def rope_tables(positions, dtype, dims=None):
-    """positions (L,) -> cos, signed_sin (L, 1, 128) for the first dims (all) of a head, once per
-    forward() (the article: in every layer), in the model's dtype (the article's float32 tables
-    promote q, k and from there the whole model to float32). Pair i turns by position * f_i."""
+    """positions (L,) -> cos, signed_sin (L, 1, 128): pair i turns by position * f_i. Once per pass
+    (the article: in each layer), in the model's dtype (its float32 ones promote q, k, then all)."""
     half = (dims or HEAD_DIM) // 2
     inv_freq = 1.0 / THETA ** (mx.arange(half, dtype=mx.float32) / half)  # (64,) f_i
     angles = positions.astype(mx.float32)[:, None, None] * inv_freq   # (L, 1, 64) float32
@@ -84,24 +86,23 @@ def apply_rope(x, cos, signed_sin):
 def attention(x, layer_idx, cache, start, rope, visible):
     """x: (L, D) at positions start.. -> (L, D). rope: RoPE's tables; visible: (L, S) keys seen."""
     p = f"model.layers.{layer_idx}.self_attn."
-    q = (x @ W[p + "q_proj.weight"].T).reshape(-1, N_HEADS, HEAD_DIM)  # (L, 16, 128) split heads
-    k = (x @ W[p + "k_proj.weight"].T).reshape(-1, N_KV, HEAD_DIM)     # (L, 8, 128)
-    v = (x @ W[p + "v_proj.weight"].T).reshape(-1, N_KV, HEAD_DIM)     # (L, 8, 128)
+    q = linear(x, p + "q_proj").reshape(-1, N_HEADS, HEAD_DIM)        # (L, 16, 128) split heads
+    k = linear(x, p + "k_proj").reshape(-1, N_KV, HEAD_DIM)           # (L, 8, 128)
+    v = linear(x, p + "v_proj").reshape(-1, N_KV, HEAD_DIM)           # (L, 8, 128)
     q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm: each head of q
     k = rms_norm(k, W[p + "k_norm.weight"], EPS)                      # and of k, before RoPE
     q = apply_rope(q, *rope)                                          # (L, 16, 128)
     k = apply_rope(k, *rope)                                          # (L, 8, 128)
     keys, values = cache_write(cache, layer_idx, k, v, start)         # (8, S, 128) each
     out = attend(q, keys, values, visible)                            # (L, 2048) heads merged
-    return out @ W[p + "o_proj.weight"].T                             # (L, 1024)
+    return linear(out, p + "o_proj")                                  # (L, 1024)
 
 def cache_write(cache, layer_idx, k, v, start):
     """k, v (L, KV, hd) -> this layer's keys and values so far, (KV, S, hd). The article copies the
     cache onto a new one with each token; here MLX writes it into buffers with room to spare."""
     end = start + k.shape[0]
-    if cache[layer_idx] is None:                                      # this layer's first call
-        empty = mx.zeros((k.shape[1], 0, k.shape[2]), k.dtype)        # (8, 0, 128)
-        cache[layer_idx] = (empty, empty)
+    if cache[layer_idx] is None:                                      # this layer's first call:
+        cache[layer_idx] = (mx.zeros((k.shape[1], 0, k.shape[2]), k.dtype),) * 2  # (8, 0, 128)
     keys, values = cache[layer_idx]
     if keys.shape[1] < end:                                           # full: GROW more positions
         more = mx.zeros((k.shape[1], -(-end // GROW) * GROW - keys.shape[1], k.shape[2]), k.dtype)
@@ -138,9 +139,9 @@ def swiglu(gate, up):  # (L, 3072) each -> silu(gate) * up, where silu(g) = g * 
 def ffn(x, layer_idx):
     """x: (L, D) -> (L, D): down( silu(gate(x)) * up(x) )."""
     p = f"model.layers.{layer_idx}.mlp."
-    gate = x @ W[p + "gate_proj.weight"].T                            # (L, 3072)
-    up = x @ W[p + "up_proj.weight"].T                                # (L, 3072)
-    return swiglu(gate, up) @ W[p + "down_proj.weight"].T             # (L, 1024)
+    gate = linear(x, p + "gate_proj")                                 # (L, 3072)
+    up = linear(x, p + "up_proj")                                     # (L, 3072)
+    return linear(swiglu(gate, up), p + "down_proj")                  # (L, 1024)
 
 # ═══ Step 7. The transformer block — normalise, attend, add; normalise, think, add ═══
 def transformer_block(x, layer_idx, cache, start, rope, visible):
@@ -156,11 +157,10 @@ def transformer_block(x, layer_idx, cache, start, rope, visible):
 def lm_head(x):
     """x: (L, D) -> logits (L, vocab): the final RMSNorm, then a score per row of lm_head.weight."""
     x = rms_norm(x, W["model.norm.weight"], EPS)                      # (L, 1024)
-    return x @ W["lm_head.weight"].T                                  # (L, 151936) (0.6B: tied)
+    return linear(x, "lm_head")                                       # (L, 151936) (0.6B: tied)
 
-def forward(token_ids, cache, start, hidden=None):
-    """L ids at positions start.. -> logits (L, vocab): Steps 2-8. cache: one entry per layer,
-    [None] * N_LAYERS to begin; hidden: a list that receives x after each block."""
+def forward(token_ids, cache, start, hidden=None):  # hidden: a list, given x after each block
+    """L ids at positions start.. -> logits (L, vocab): Steps 2-8 (cache: [None] * N_LAYERS at first)"""
     x = embed(token_ids)                                              # (L, 1024)
     end = start + x.shape[0]                                          # S: positions after this call
     positions = mx.arange(start, end)                                 # (L,)
@@ -173,10 +173,9 @@ def forward(token_ids, cache, start, hidden=None):
     return lm_head(x)                                                 # (L, 151936)
 
 def sample(logits, temperature=0.0, top_p=1.0):
-    """logits (vocab,) (or (L, vocab): its last row) -> the next id. temperature 0: the likeliest.
-    Else softmax(logits / T) over the fewest likeliest tokens whose probabilities reach top_p, in
-    float32. The article returns an int and slices the nucleus off; this returns a lazy 0-d array
-    (.item() reads it) and masks, so generate() can queue the next step before values exist."""
+    """logits (vocab,) (or (L, vocab): its last row) -> the next id: temperature 0, the likeliest;
+    else softmax(logits / T) over the fewest likeliest tokens reaching top_p, in float32. The article
+    returns an int, slicing; this a lazy 0-d array, masking, so generate() can queue the next step."""
     logits = logits.reshape(-1, logits.shape[-1])[-1]                 # (vocab,)
     if temperature == 0:
         return mx.argmax(logits)                                      # ()
@@ -201,9 +200,9 @@ def prefill(prompt_ids, cache, start=0, hidden=None):
 
 def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None, start=0,
              logits=None):
-    """Yield up to max_tokens ids after prompt_ids; stop before any EOS id and at the context's end.
-    cache, start: an earlier cache and how many positions of it to keep; logits: the prompt's last,
-    if prefill() ran it in already. On return the cache holds the prompt and every id yielded."""
+    """Yield up to max_tokens ids after prompt_ids, stopping before any EOS id and at the context's
+    end; cache, start: an earlier cache and how much of it to keep; logits: the prompt's, if prefill()
+    ran it in. On return the cache holds the prompt and every id yielded."""
     if isinstance(prompt_ids, str):  # the article's generate() takes text and returns text
         raise TypeError("generate() takes ids: TOK.decode(list(generate(tokenize(text))))")
     cache = [None] * N_LAYERS if cache is None else cache
@@ -224,6 +223,29 @@ def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None,
             return
         yield token.item()
         token, finite = upcoming
+
+# ═══ Quantised weights — a number in 4 or 8 bits, a scale and a bias for each group of 64 ═══
+def dequantize(packed, scales, biases, bits):
+    """MLX's affine quantisation undone: a row of packed (uint32) is a little-endian stream of
+    bits-bit integers q, and each group of them shares a scale and a bias: w = scale * q + bias."""
+    n = packed.shape[-1] * 32 // bits                                 # values in a row
+    stream = mx.pad(packed.view(mx.uint8), [(0, 0)] * (packed.ndim - 1) + [(0, 1)])  # its bytes, 0
+    stream = stream.astype(mx.uint32)                                 # (..., n * bits / 8 + 1)
+    start = mx.arange(n) * bits                                       # (n,) where q_i's bits start
+    pair = stream[..., start // 8] | stream[..., start // 8 + 1] << 8  # (..., n) the 2 bytes of q_i
+    q = (pair >> (start % 8)) & (2 ** bits - 1)                       # (..., n) q_i
+    q = q.reshape(*q.shape[:-1], scales.shape[-1], -1)                # (..., groups, group)
+    w = scales[..., None] * q.astype(scales.dtype) + biases[..., None]  # (..., groups, group)
+    return w.reshape(*w.shape[:-2], n)                                # (..., n)
+
+def quantized_linear(x, name):  # x @ dequantize(W[name]).T, never writing the unpacked matrix:
+    packed, scales, biases = (W[name + part] for part in (".weight", ".scales", ".biases"))
+    bits, group = packed.shape[-1] * 32 // x.shape[-1], x.shape[-1] // scales.shape[-1]
+    return mx.quantized_matmul(x, packed, scales, biases, group_size=group, bits=bits)  # 4 bits read
+
+def embed_quantized(ids):  # a quantised embedding: only the rows the ids pick are unpacked
+    rows = [W["model.embed_tokens" + part][ids] for part in (".weight", ".scales", ".biases")]
+    return dequantize(*rows, rows[0].shape[-1] * 32 // D)             # (L, 1024)
 
 # ═══ After generate(): serving the model — errors, file checks, download, chat, command line ═══
 class UserError(Exception):
@@ -265,20 +287,20 @@ def shown_json(value, most=60):  # a config value in an error line, cut with "..
 
 KINDS = {"count": "a whole number of 1 or more", "even": "an even whole number (RoPE turns pairs)",
          "positive": "a number more than 0", "bool": "true or false",
-         "ids": "a token id, a list of them or null"}
+         "ids": "a token id, a list of them or null",
+         "quantization": 'MLX\'s affine quantisation (not "mxfp4", "nvfp4" or "mxfp8")'}
 CONFIG = {  # each config.json entry that load() reads -> the kind of value it must hold
     "model_type": "qwen3", "hidden_size": "count", "intermediate_size": "count",
     "num_hidden_layers": "count", "num_attention_heads": "count", "num_key_value_heads": "count",
     "vocab_size": "count", "max_position_embeddings": "count", "head_dim": "even",
     "rms_norm_eps": "positive", "rope_theta": "positive", "tie_word_embeddings": "bool",
-    "eos_token_id": "ids"}
+    "eos_token_id": "ids", "quantization": "quantization"}
 UNSUPPORTED = {  # config.json entries that change the math -> (the value computed here, else what)
     "rope_scaling": (None, "a scaled RoPE (YaRN and its kin)"),
     "attention_bias": (False, "biases in the attention projections"),
     "hidden_act": ("silu", "an activation other than SiLU"),
     "use_sliding_window": (False, "sliding-window attention"),
-    "quantization_config": (None, "weights quantised in this format"),
-    "quantization": (None, "MLX's quantised weights")}
+    "quantization_config": (None, "weights quantised in this format")}
 
 def fits(value, kind):
     """Does a config value have the kind CONFIG names (model_type: is it that name)?"""
@@ -290,6 +312,8 @@ def fits(value, kind):
         return type(value) is bool
     if kind == "ids":
         return value is None or all(type(i) is int and i >= 0 for i in as_list(value))
+    if kind == "quantization":
+        return value is None or isinstance(value, dict) and value.get("mode", "affine") == "affine"
     return value == kind
 
 def as_list(ids):  # an EOS entry: an id, a list of them, or null
@@ -308,13 +332,15 @@ def read_configs(model_dir):
         cfg = {"rope_theta": nested.get("rope_theta"), **cfg}
         if nested.get("rope_type", nested.get("type", "default")) != "default":  # "yarn", say
             cfg["rope_scaling"] = nested
-    cfg = {"tie_word_embeddings": False, "eos_token_id": None, **cfg}  # transformers' defaults
+    cfg = {"tie_word_embeddings": False, "eos_token_id": None, "quantization": None, **cfg}
+    if cfg.get("quantization_config") == cfg["quantization"]:  # MLX writes its own twice
+        cfg.pop("quantization_config", None)
     for name, kind in CONFIG.items():
         if name not in cfg:
             raise UserError(f"{path} has no '{name}' entry")
         if not fits(cfg[name], kind):
             what = KINDS.get(kind, f'"{kind}" (this script runs dense Qwen3 models)')
-            raise UserError(f"{path}: {name} must be {what}, not {json.dumps(cfg[name])}")
+            raise UserError(f"{path}: {name} must be {what}, not {shown_json(cfg[name])}")
     if not fits(gen.get("eos_token_id"), "ids"):
         raise UserError(f"{gen_path}: eos_token_id must be {KINDS['ids']}, "
                         f"not {json.dumps(gen['eos_token_id'])}")
@@ -352,12 +378,15 @@ def read_weights(model_dir, cfg, dtype):
             if name not in tensors:
                 raise UserError(f"{file} has no tensor {name}, which "
                                 f"{folder / 'model.safetensors.index.json'} says it holds")
-            weights[name], source[name] = tensors[name].astype(dtype or tensors[name].dtype), file
+            if dtype is not None and tensors[name].dtype != mx.uint32:  # packed bits stay packed
+                tensors[name] = tensors[name].astype(dtype)
+            weights[name], source[name] = tensors[name], file
     if cfg["tie_word_embeddings"]:  # one table, both ways (a stored copy is not used)
-        weights["lm_head.weight"] = weights.get("model.embed_tokens.weight")
+        for part in (".weight", ".scales", ".biases"):  # a quantised table has all three
+            weights["lm_head" + part] = weights.get("model.embed_tokens" + part)
     weights = checked_shapes(weights, cfg, folder)
-    tied = "lm_head.weight" if cfg["tie_word_embeddings"] else None  # the embedding: checked once
-    sums = {name: w.sum() for name, w in weights.items() if name != tied}  # NaN or inf: not finite
+    sums = {name: w.sum() for name, w in weights.items()  # NaN or inf: not finite (a tied head and
+            if w.dtype != mx.uint32 and not (cfg["tie_word_embeddings"] and "lm_head" in name)}
     mx.eval(weights, sums)  # read every weight now, so that generation times only generation
     for name, total in sums.items():  # (a sum can overflow float16 alone: then check each value)
         if not mx.isfinite(total).item() and not mx.isfinite(weights[name]).all().item():
@@ -378,6 +407,15 @@ def checked_shapes(weights, cfg, folder):
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
     for i in range(cfg["num_hidden_layers"]):
         shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in layer.items()})
+    for name, shape in list(shapes.items()):  # MLX's quantised: packed words, a scale, a bias
+        scales = weights.get(name.replace(".weight", ".scales"))  # per group of a row's numbers
+        if scales is not None and len(shape) == 2 and name in weights:
+            bits, group = weights[name].shape[-1] * 32 / shape[1], shape[1] / scales.shape[-1]
+            if bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128):
+                raise UserError(f"tensor {name} in {folder}: {weights[name].shape} packed with "
+                                f"scales {scales.shape} is not MLX's quantisation of {shape}")
+            shapes[name] = (shape[0], weights[name].shape[-1])
+            shapes[name[:-6] + "scales"] = shapes[name[:-6] + "biases"] = scales.shape
     for name, shape in shapes.items():
         untied = " (tie_word_embeddings is false)" if name == "lm_head.weight" else ""
         if weights.get(name) is None:
@@ -688,14 +726,19 @@ def main(argv=None):
     if args.seed is not None:
         mx.random.seed(args.seed)
     folder = model_folder(args.model)
-    load(folder, args.dtype and getattr(mx, args.dtype))
+    cfg = load(folder, args.dtype and getattr(mx, args.dtype))
     for tag in ("<|im_start|>", "<|im_end|>"):
         if args.chat and len(tokenize(tag)) != 1:  # a base model's tokenizer spells them out
             raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
                             "the chat tokens of Qwen3's instruct models")
-    n_params = sum(w.size for w in {id(w): w for w in W.values()}.values())  # a tied head once
+    weights = {id(w): w for w in W.values()}.values()  # a tied head once
+    size = f"{sum(w.size for w in weights) / 1e9:.2f}B parameters"
+    if cfg["quantization"]:  # packed words: the format and the bytes, not the count
+        quant = cfg["quantization"]
+        size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
+                f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
     print(f"Qwen3 from {folder}: {N_LAYERS} layers, hidden {D}, {N_HEADS} query / {N_KV} KV heads"
-          f" x {HEAD_DIM}, {n_params / 1e9:.2f}B parameters, {dtype_name(W['model.norm.weight'].dtype)}")
+          f" x {HEAD_DIM}, {size}, {dtype_name(W['model.norm.weight'].dtype)}")
     if args.chat and text is None:
         converse(args)
     elif args.chat:

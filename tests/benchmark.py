@@ -6,6 +6,7 @@
     python tests/benchmark.py --layers 28            # Qwen3-0.6B's exact shapes (slow on a CPU)
     python tests/benchmark.py --model Qwen3-0.6B     # a real checkpoint
     python tests/benchmark.py --shape small          # 28 tiny layers: bound by the launch overhead
+    python tests/benchmark.py --quantize 4           # the same, quantised by mlx-lm (groups of 64)
 
 Runs alternate between the two implementations (ours, mlx-lm, ours, mlx-lm, ...) after one
 warm-up each, and each figure is the median over --runs. Prefill tokens/s = prompt tokens / time
@@ -132,6 +133,7 @@ def main():
     ap.add_argument("--contexts", default="512,2048,4096", help="decode after these many tokens")
     ap.add_argument("--prefills", default="256,2048", help="prompt lengths for prefill speed")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--quantize", type=int, choices=[4, 8], help="quantise it with mlx_lm.convert")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     folder = args.model
@@ -145,6 +147,11 @@ def main():
               f"hidden {shapes['hidden_size']}, vocabulary {shapes['vocab_size']} ...")
         folder = write_checkpoint(tmp.name, build_tokenizer(), dtype=args.dtype, lm_head="tied_stored",
                                   init="realistic", **shapes)
+    if args.quantize:  # mlx-lm's own tool: both implementations read the same packed weights
+        from mlx_lm.convert import convert
+        quantized = Path(tmp.name) / f"{args.quantize}-bit"
+        convert(str(folder), str(quantized), quantize=True, q_group_size=64, q_bits=args.quantize)
+        folder = quantized
     li.load(folder)
     model, _ = load_model(Path(folder))
     mx.eval(list(li.W.values()), model.parameters())
@@ -156,6 +163,7 @@ def main():
     contexts = [int(n) for n in args.contexts.split(",") if n]
     prefills = [int(n) for n in args.prefills.split(",") if n]
     print(f"{mx.default_device()}, {li.N_LAYERS} layers, {li.W['model.norm.weight'].dtype}, "
+          f"{f'{args.quantize}-bit, ' if args.quantize else ''}"
           f"runs={args.runs}, contexts={contexts}")
     print(f"kernels per layer for one decoded token: ours {kernels_per_layer(ours_step, li.N_LAYERS):.1f},"
           f" mlx-lm {kernels_per_layer(lambda: mlx_lm_step(model), li.N_LAYERS):.1f} (its mx.fast kernels"
