@@ -1,6 +1,6 @@
 """Qwen3 from scratch in MLX. Steps 1-9: the article "Inside an LLM: Pure Python Inference for
-Qwen3-0.6B on MLX", in its order, a comment wherever the code departs from it. After generate(): what
-it leaves out (quantised weights, Qwen3.5), then file checks, download, chat and the command line.
+Qwen3-0.6B on MLX", in its order, a comment wherever the code departs from it. After generate():
+what it leaves out (quantised weights, Qwen3.5), then file checks, download, chat, command line.
 One sequence, no batch; shapes are Qwen3-0.6B's. MLX is lazy: mx.* records, mx.eval computes."""
 import argparse, hashlib, json, math, os, re, signal, sys, time  # noqa: E401 (standard library)
 from functools import partial
@@ -28,11 +28,12 @@ CHUNK = 512      # a long prompt goes through the model this many tokens at a ti
 
 def load(model_dir, dtype=None):
     """A model folder -> the constants above, W and TOK. dtype: compute in it, not the weights'."""
-    global W, TOK, D, N_LAYERS, N_HEADS, N_KV, HEAD_DIM, EPS, THETA, MAX_POS, EOS_IDS
+    global W, TOK, D, N_LAYERS, N_HEADS, N_KV, HEAD_DIM, EPS, THETA, MAX_POS, EOS_IDS, QWEN35
     cfg = read_configs(model_dir)  # config.json, generation_config.json: checked (after generate())
     D, N_LAYERS, HEAD_DIM = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
     N_HEADS, N_KV, EOS_IDS = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["eos_ids"]
     EPS, THETA, MAX_POS = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["max_position_embeddings"]
+    QWEN35 = cfg["qwen35"]  # {} for Qwen3; Qwen3.5's own sizes and layers' kinds (after generate())
     W = read_weights(model_dir, cfg, dtype)  # each tensor the model uses, of its right shape
     TOK = read_tokenizer(model_dir, cfg)  # every id a row of the embedding table
     return cfg
@@ -85,6 +86,8 @@ def apply_rope(x, cos, signed_sin):
 # ═══ Step 5. Grouped-query attention — every token asks, earlier ones answer; 2 askers share ═══
 def attention(x, layer_idx, cache, start, rope, visible):
     """x: (L, D) at positions start.. -> (L, D). rope: RoPE's tables; visible: (L, S) keys seen."""
+    if QWEN35:  # Qwen3.5's two kinds of layer (after generate())
+        return qwen35_attention(x, layer_idx, cache, start, visible)
     p = f"model.layers.{layer_idx}.self_attn."
     q = linear(x, p + "q_proj").reshape(-1, N_HEADS, HEAD_DIM)        # (L, 16, 128) split heads
     k = linear(x, p + "k_proj").reshape(-1, N_KV, HEAD_DIM)           # (L, 8, 128)
@@ -160,7 +163,7 @@ def lm_head(x):
     return linear(x, "lm_head")                                       # (L, 151936) (0.6B: tied)
 
 def forward(token_ids, cache, start, hidden=None):  # hidden: a list, given x after each block
-    """L ids at positions start.. -> logits (L, vocab): Steps 2-8 (cache: [None] * N_LAYERS at first)"""
+    """L ids at positions start.. -> logits (L, vocab): Steps 2-8. cache: [None] * N_LAYERS first"""
     x = embed(token_ids)                                              # (L, 1024)
     end = start + x.shape[0]                                          # S: positions after this call
     positions = mx.arange(start, end)                                 # (L,)
@@ -174,8 +177,8 @@ def forward(token_ids, cache, start, hidden=None):  # hidden: a list, given x af
 
 def sample(logits, temperature=0.0, top_p=1.0):
     """logits (vocab,) (or (L, vocab): its last row) -> the next id: temperature 0, the likeliest;
-    else softmax(logits / T) over the fewest likeliest tokens reaching top_p, in float32. The article
-    returns an int, slicing; this a lazy 0-d array, masking, so generate() can queue the next step."""
+    else softmax(logits / T) over the fewest likeliest tokens reaching top_p, in float32. The
+    article returns an int, slicing; this a lazy 0-d array, masking: generate() queues the next."""
     logits = logits.reshape(-1, logits.shape[-1])[-1]                 # (vocab,)
     if temperature == 0:
         return mx.argmax(logits)                                      # ()
@@ -201,8 +204,8 @@ def prefill(prompt_ids, cache, start=0, hidden=None):
 def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None, start=0,
              logits=None):
     """Yield up to max_tokens ids after prompt_ids, stopping before any EOS id and at the context's
-    end; cache, start: an earlier cache and how much of it to keep; logits: the prompt's, if prefill()
-    ran it in. On return the cache holds the prompt and every id yielded."""
+    end; cache, start: an earlier cache and how much of it to keep; logits: the prompt's, if
+    prefill() ran it in. On return the cache holds the prompt and every id yielded."""
     if isinstance(prompt_ids, str):  # the article's generate() takes text and returns text
         raise TypeError("generate() takes ids: TOK.decode(list(generate(tokenize(text))))")
     cache = [None] * N_LAYERS if cache is None else cache
@@ -241,11 +244,131 @@ def dequantize(packed, scales, biases, bits):
 def quantized_linear(x, name):  # x @ dequantize(W[name]).T, never writing the unpacked matrix:
     packed, scales, biases = (W[name + part] for part in (".weight", ".scales", ".biases"))
     bits, group = packed.shape[-1] * 32 // x.shape[-1], x.shape[-1] // scales.shape[-1]
-    return mx.quantized_matmul(x, packed, scales, biases, group_size=group, bits=bits)  # 4 bits read
+    return mx.quantized_matmul(x, packed, scales, biases, group_size=group, bits=bits)  # 4 bits
 
 def embed_quantized(ids):  # a quantised embedding: only the rows the ids pick are unpacked
     rows = [W["model.embed_tokens" + part][ids] for part in (".weight", ".scales", ".biases")]
     return dequantize(*rows, rows[0].shape[-1] * 32 // D)             # (L, 1024)
+
+# ═══ Qwen3.5 — hybrid attention: 3 layers in 4 keep compressed notes, the 4th its full memory ═══
+QWEN35 = {}  # load() sets it for Qwen3.5: QWEN35_CONFIG's entries (0.8B's values in comments)
+
+def qwen35_attention(x, layer_idx, cache, start, visible):  # the layer's kind, in layer_types
+    if QWEN35["layer_types"][layer_idx] == "linear_attention":        # 18 of 0.8B's 24 layers
+        return gated_delta_net(x, layer_idx, cache, start)
+    return gated_attention(x, layer_idx, cache, start, visible)       # every 4th: 6 of 24
+
+def gated_attention(x, layer_idx, cache, start, visible):
+    """Step 5's attention, three things changed: q_proj also gives each head a gate, RoPE turns
+    only the first quarter of each head, and the heads' output is scaled by sigmoid(gate)."""
+    p, L = f"model.layers.{layer_idx}.self_attn.", x.shape[0]
+    r = int(HEAD_DIM * QWEN35["partial_rotary_factor"])               # 64 of 256 dimensions
+    q = linear(x, p + "q_proj").reshape(L, N_HEADS, 2 * HEAD_DIM)     # (L, 8, 512) q, then gate
+    q, gate = q[..., :HEAD_DIM], q[..., HEAD_DIM:]                    # (L, 8, 256) each
+    k = linear(x, p + "k_proj").reshape(L, N_KV, HEAD_DIM)            # (L, 2, 256)
+    v = linear(x, p + "v_proj").reshape(L, N_KV, HEAD_DIM)            # (L, 2, 256)
+    q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm, as in Step 5
+    k = rms_norm(k, W[p + "k_norm.weight"], EPS)
+    rope = rope_tables(mx.arange(start, start + L), x.dtype, r)       # (L, 1, 64) each
+    q = mx.concatenate([apply_rope(q[..., :r], *rope), q[..., r:]], axis=-1)  # (L, 8, 256)
+    k = mx.concatenate([apply_rope(k[..., :r], *rope), k[..., r:]], axis=-1)  # (L, 2, 256)
+    keys, values = cache_write(cache, layer_idx, k, v, start)         # (2, S, 256) each
+    out = attend(q, keys, values, visible)                            # (L, 2048)
+    return linear(out * mx.sigmoid(gate.reshape(L, -1)), p + "o_proj")  # (L, 1024)
+
+def gated_delta_net(x, layer_idx, cache, start):
+    """x: (L, D) -> (L, D): attention whose memory has a fixed size, a state S (dk, dv) per value
+    head in place of keys and values that grow. Each token: forget (S *= decay), recall what S
+    holds for its key (k S), move that towards its value (S += k^T beta (v - k S)), read (q S)."""
+    p, L = f"model.layers.{layer_idx}.linear_attn.", x.shape[0]
+    hk, hv = QWEN35["linear_num_key_heads"], QWEN35["linear_num_value_heads"]        # 16, 16
+    dk, dv = QWEN35["linear_key_head_dim"], QWEN35["linear_value_head_dim"]          # 128, 128
+    K = QWEN35["linear_conv_kernel_dim"]                                             # 4
+    qkv = linear(x, p + "in_proj_qkv")                                # (L, 6144) q, k, v
+    z = linear(x, p + "in_proj_z").reshape(L, hv, dv)                 # (L, 16, 128) output gate
+    beta = mx.sigmoid(linear(x, p + "in_proj_b"))                     # (L, 16) write strength 0..1
+    a = linear(x, p + "in_proj_a") + W[p + "dt_bias"]                 # (L, 16)
+    decay = mx.exp(-mx.exp(W[p + "A_log"]) * mx.logaddexp(a, 0))      # (L, 16) e^(-A softplus(a))
+    if start == 0 or cache[layer_idx] is None:                        # nothing remembered yet
+        cache[layer_idx] = (mx.zeros((K - 1, qkv.shape[1]), x.dtype), mx.zeros((hv, dk, dv)))
+    conv_state, state = cache[layer_idx]                              # (3, 6144), (16, 128, 128)
+    window = mx.concatenate([conv_state, qkv])                        # (3 + L, 6144)
+    conv = W[p + "conv1d.weight"]                                     # (6144, 4) a filter each
+    qkv = sum(window[j:j + L] * conv[:, j] for j in range(K))         # (L, 6144) each channel
+    qkv = qkv * mx.sigmoid(qkv)                                       # mixes its last 4; silu
+    q, k, v = mx.split(qkv, [hk * dk, 2 * hk * dk], axis=-1)
+    # L2 norm: rms_norm(x) = sqrt(dk) x / |x|; q also takes attention's 1 / sqrt(dk)
+    q = rms_norm(q.reshape(L, hk, dk), 1.0, 1e-6 / dk) / dk           # (L, 16, 128)
+    k = rms_norm(k.reshape(L, hk, dk), 1.0, 1e-6 / dk) / dk ** 0.5    # (L, 16, 128) |k| = 1
+    q = mx.repeat(q, hv // hk, axis=1)                                # (L, 16, 128) value head h
+    k = mx.repeat(k, hv // hk, axis=1)                                # reads key head h // (hv/hk)
+    v, out = v.reshape(L, hv, dv), []                                 # (L, 16, 128)
+    for t in range(L):                                                # token after token
+        state, y = delta_step(state, q[t], k[t], v[t], decay[t], beta[t])  # y: (16, 128)
+        out.append(y)
+    cache[layer_idx] = (window[-(K - 1):], state)                     # the last 3 inputs, and S
+    y = rms_norm(mx.stack(out).astype(x.dtype), W[p + "norm.weight"], EPS)  # (L, 16, 128)
+    y = swiglu(z.astype(mx.float32), y.astype(mx.float32))            # y * silu(z): gated
+    return linear(y.astype(x.dtype).reshape(L, -1), p + "out_proj")   # (L, 1024)
+
+@mx.compile
+def delta_step(state, q, k, v, decay, beta):
+    """The delta rule for one token, each head: state (H, dk, dv), float32 as A_log is stored;
+    q, k (H, dk), v (H, dv), decay, beta (H,) -> the new state, and what q reads of it (H, dv)."""
+    state = state * decay[:, None, None]                              # forget a little
+    recalled = (k[:, None, :] @ state)[:, 0]                          # (H, dv) k S
+    state = state + k[:, :, None] * (beta[:, None] * (v - recalled))[:, None, :]  # towards v
+    return state, (q[:, None, :] @ state)[:, 0]                       # (H, dv) q S
+
+QWEN35_CONFIG = {  # Qwen3.5's own config.json entries (in its text_config) -> their kind
+    "layer_types": "layers", "linear_num_key_heads": "count", "linear_num_value_heads": "count",
+    "linear_key_head_dim": "count", "linear_value_head_dim": "count",
+    "linear_conv_kernel_dim": "count", "partial_rotary_factor": "positive"}
+
+def qwen35_config(cfg, path):
+    """Qwen3.5's entries, checked together -> QWEN35 (for Qwen3: {})."""
+    if cfg["model_type"] != "qwen3_5":
+        return {}
+    rope_dims = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
+    if len(cfg["layer_types"]) != cfg["num_hidden_layers"]:
+        raise UserError(f"{path}: layer_types must name each of the num_hidden_layers layers")
+    if cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"]:
+        raise UserError(f"{path}: linear_num_value_heads must be a multiple of "
+                        "linear_num_key_heads")
+    if rope_dims % 2 or not 0 < rope_dims <= cfg["head_dim"]:
+        raise UserError(f"{path}: head_dim x partial_rotary_factor must be even, at most head_dim")
+    return {name: cfg[name] for name in QWEN35_CONFIG}
+
+def qwen35_weights(weights):
+    """Hugging Face's checkpoint (its convolution (C, 1, K)) stores five norms as offsets from 1,
+    not the DeltaNet's: they become gains, 1 added in the stored dtype, before any --dtype, as
+    mlx-lm does (transformers adds it in float32: on bfloat16 weights the two differ by one
+    rounding of each gain, 1e-2 in the logits). An mlx-lm conversion (C, K, 1) holds gains."""
+    hf = any(name.endswith("conv1d.weight") and w.shape[1] == 1 for name, w in weights.items())
+    offsets = ("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight")
+    for name, w in weights.items():
+        if name.endswith("conv1d.weight"):
+            weights[name] = w.reshape(w.shape[0], -1)                 # (C, K)
+        elif hf and name.endswith(offsets):
+            weights[name] = w + 1
+    return weights
+
+def qwen35_shapes(cfg, i, layer):
+    """Layer i's tensors -> their shapes, from a Qwen3 layer's: norms and mlp the same; Step 5's
+    attention with q_proj twice as tall (q and a gate), or the DeltaNet's."""
+    d, c = cfg["hidden_size"], cfg["qwen35"]
+    if c["layer_types"][i] == "full_attention":
+        q = layer["self_attn.q_proj.weight"][0]
+        return {**layer, "self_attn.q_proj.weight": (2 * q, d)}
+    keys = c["linear_num_key_heads"] * c["linear_key_head_dim"]        # 2048
+    values = c["linear_num_value_heads"] * c["linear_value_head_dim"]  # 2048
+    heads, a = (c["linear_num_value_heads"],), "linear_attn."
+    layer = {name: shape for name, shape in layer.items() if not name.startswith("self_attn")}
+    return {**layer, a + "in_proj_qkv.weight": (2 * keys + values, d),
+            a + "in_proj_z.weight": (values, d), a + "in_proj_b.weight": (*heads, d),
+            a + "in_proj_a.weight": (*heads, d), a + "dt_bias": heads, a + "A_log": heads,
+            a + "conv1d.weight": (2 * keys + values, c["linear_conv_kernel_dim"]),
+            a + "norm.weight": (c["linear_value_head_dim"],), a + "out_proj.weight": (d, values)}
 
 # ═══ After generate(): serving the model — errors, file checks, download, chat, command line ═══
 class UserError(Exception):
@@ -254,8 +377,7 @@ class UserError(Exception):
         super().__init__(message)
         self.status = status
 
-HERE = Path(__file__).resolve().parent
-REPO = "Qwen/Qwen3-0.6B"
+HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
 FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "model.safetensors"]
 
@@ -285,12 +407,14 @@ def shown_json(value, most=60):  # a config value in an error line, cut with "..
     text = json.dumps(value)
     return text if len(text) <= most else text[:most - 4] + " ..."
 
-KINDS = {"count": "a whole number of 1 or more", "even": "an even whole number (RoPE turns pairs)",
+KINDS = {"model": '"qwen3" or "qwen3_5" (dense Qwen3 and Qwen3.5 models)',
+         "layers": 'a list of "linear_attention" and "full_attention"',
+         "count": "a whole number of 1 or more", "even": "an even whole number (RoPE turns pairs)",
          "positive": "a number more than 0", "bool": "true or false",
          "ids": "a token id, a list of them or null",
          "quantization": 'MLX\'s affine quantisation (not "mxfp4", "nvfp4" or "mxfp8")'}
 CONFIG = {  # each config.json entry that load() reads -> the kind of value it must hold
-    "model_type": "qwen3", "hidden_size": "count", "intermediate_size": "count",
+    "model_type": "model", "hidden_size": "count", "intermediate_size": "count",
     "num_hidden_layers": "count", "num_attention_heads": "count", "num_key_value_heads": "count",
     "vocab_size": "count", "max_position_embeddings": "count", "head_dim": "even",
     "rms_norm_eps": "positive", "rope_theta": "positive", "tie_word_embeddings": "bool",
@@ -303,55 +427,56 @@ UNSUPPORTED = {  # config.json entries that change the math -> (the value comput
     "quantization_config": (None, "weights quantised in this format")}
 
 def fits(value, kind):
-    """Does a config value have the kind CONFIG names (model_type: is it that name)?"""
-    if kind in ("count", "even"):
-        return type(value) is int and value >= 1 and (kind == "count" or value % 2 == 0)
-    if kind == "positive":
-        return type(value) in (int, float) and value > 0
-    if kind == "bool":
-        return type(value) is bool
-    if kind == "ids":
-        return value is None or all(type(i) is int and i >= 0 for i in as_list(value))
-    if kind == "quantization":
-        return value is None or isinstance(value, dict) and value.get("mode", "affine") == "affine"
-    return value == kind
+    """Does a config value have the kind CONFIG names?"""
+    whole = type(value) is int and value >= 1
+    return {"count": whole, "even": whole and value % 2 == 0, "bool": type(value) is bool,
+            "positive": type(value) in (int, float) and value > 0,
+            "ids": value is None or all(type(i) is int and i >= 0 for i in as_list(value)),
+            "quantization": value is None or isinstance(value, dict)
+            and value.get("mode", "affine") == "affine",
+            "layers": isinstance(value, list)
+            and all(layer in ("linear_attention", "full_attention") for layer in value),
+            "model": value in ("qwen3", "qwen3_5")}[kind]
 
 def as_list(ids):  # an EOS entry: an id, a list of them, or null
     return ids if isinstance(ids, list) else [ids]
 
 def read_configs(model_dir):
-    """config.json's CONFIG entries, each checked, and "eos_ids": its and generation_config.json's."""
+    """config.json's CONFIG entries, checked, and "eos_ids": its and generation_config.json's."""
     path, gen_path = Path(model_dir) / "config.json", Path(model_dir) / "generation_config.json"
     cfg = read_file(path, parse_json, "valid JSON")
     gen = read_file(gen_path, parse_json, "valid JSON") if gen_path.exists() else {}
     for file, data in [(path, cfg), (gen_path, gen)]:
         if not isinstance(data, dict):
             raise UserError(f"{file} must hold a JSON object {{...}}, not {shown_json(data, 40)}")
+    if cfg.get("model_type") == "qwen3_5" and isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg, **cfg["text_config"], "model_type": "qwen3_5"}  # the language model's part
     nested = cfg.get("rope_parameters")  # transformers 5 writes rope_theta (and scaling) here
     if isinstance(nested, dict):
-        cfg = {"rope_theta": nested.get("rope_theta"), **cfg}
+        cfg = {"rope_theta": nested.get("rope_theta"), **nested, **cfg}
         if nested.get("rope_type", nested.get("type", "default")) != "default":  # "yarn", say
             cfg["rope_scaling"] = nested
     cfg = {"tie_word_embeddings": False, "eos_token_id": None, "quantization": None, **cfg}
     if cfg.get("quantization_config") == cfg["quantization"]:  # MLX writes its own twice
         cfg.pop("quantization_config", None)
-    for name, kind in CONFIG.items():
-        if name not in cfg:
-            raise UserError(f"{path} has no '{name}' entry")
-        if not fits(cfg[name], kind):
-            what = KINDS.get(kind, f'"{kind}" (this script runs dense Qwen3 models)')
-            raise UserError(f"{path}: {name} must be {what}, not {shown_json(cfg[name])}")
-    if not fits(gen.get("eos_token_id"), "ids"):
-        raise UserError(f"{gen_path}: eos_token_id must be {KINDS['ids']}, "
-                        f"not {json.dumps(gen['eos_token_id'])}")
+    entries = {**CONFIG, **QWEN35_CONFIG} if cfg.get("model_type") == "qwen3_5" else CONFIG
+    gen = {"eos_token_id": None, **gen}  # generation_config.json's is optional
+    for file, data, entries in [(path, cfg, entries), (gen_path, gen, {"eos_token_id": "ids"})]:
+        for name, kind in entries.items():
+            if name not in data:
+                raise UserError(f"{file} has no '{name}' entry")
+            if not fits(data[name], kind):
+                raise UserError(f"{file}: {name} must be {KINDS[kind]}, "
+                                f"not {shown_json(data[name])}")
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
         raise UserError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
     for name, (computed, other) in UNSUPPORTED.items():
         if cfg.get(name, computed) != computed:
             raise UserError(f"{path}: {name} is {shown_json(cfg[name])}: this script does not run "
                             f"{other}")
-    eos = set(as_list(cfg["eos_token_id"]) + as_list(gen.get("eos_token_id"))) - {None}
-    return {**{name: cfg[name] for name in CONFIG}, "eos_ids": eos}
+    eos = set(as_list(cfg["eos_token_id"]) + as_list(gen["eos_token_id"])) - {None}
+    return {**{name: cfg[name] for name in CONFIG}, "eos_ids": eos,
+            "qwen35": qwen35_config(cfg, path)}
 
 def weight_files(folder):
     """{file: the tensors to read from it, None for all}: what model.safetensors.index.json names,
@@ -378,9 +503,13 @@ def read_weights(model_dir, cfg, dtype):
             if name not in tensors:
                 raise UserError(f"{file} has no tensor {name}, which "
                                 f"{folder / 'model.safetensors.index.json'} says it holds")
-            if dtype is not None and tensors[name].dtype != mx.uint32:  # packed bits stay packed
-                tensors[name] = tensors[name].astype(dtype)
-            weights[name], source[name] = tensors[name], file
+            key = name.replace("language_model.", "", 1)  # Qwen3.5's names, Hugging Face's or MLX's
+            weights[key], source[key] = tensors[name], file
+    if cfg["qwen35"]:  # (its norms' 1 is added in the stored dtype, before any cast)
+        weights = qwen35_weights(weights)
+    for name, w in weights.items():  # packed bits stay packed, A_log float32
+        if dtype is not None and w.dtype != mx.uint32 and not name.endswith("A_log"):
+            weights[name] = w.astype(dtype)
     if cfg["tie_word_embeddings"]:  # one table, both ways (a stored copy is not used)
         for part in (".weight", ".scales", ".biases"):  # a quantised table has all three
             weights["lm_head" + part] = weights.get("model.embed_tokens" + part)
@@ -404,9 +533,12 @@ def checked_shapes(weights, cfg, folder):
              "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
              "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,), "mlp.gate_proj": (f, d),
              "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
-    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
+    layer = {name + ".weight": shape for name, shape in layer.items()}
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+              "lm_head.weight": (v, d)}
     for i in range(cfg["num_hidden_layers"]):
-        shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in layer.items()})
+        own = qwen35_shapes(cfg, i, layer) if cfg["qwen35"] else layer
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in own.items()})
     for name, shape in list(shapes.items()):  # MLX's quantised: packed words, a scale, a bias
         scales = weights.get(name.replace(".weight", ".scales"))  # per group of a row's numbers
         if scales is not None and len(shape) == 2 and name in weights:
@@ -475,7 +607,8 @@ def download(repo, local_dir, names=None):
             raise UserError(f"could not download {name} of {repo}: the Hub does not list it")
         for file in files:
             name = file.rfilename
-            if (names and name not in names) or not re.fullmatch(r"[^/]+\.(json|safetensors)", name):
+            if names and name not in names or not re.fullmatch(r"[^/]+\.(json|jinja|safetensors)",
+                                                               name):  # configs, template, weights
                 continue
             path = Path(hf_hub_download(repo, name, local_dir=local_dir, tqdm_class=Progress))
             if name in Progress.fetched:  # it came over the network now, not in an earlier run
@@ -507,7 +640,8 @@ class Progress(tqdm):
 
     def close(self):  # the file is complete: its line, once
         if self.disable and self.name in Progress.fetched:
-            print(f"{self.name}: {self.format_sizeof(self.total or 0)}B downloaded", file=sys.stderr)
+            size = self.format_sizeof(self.total or 0)
+            print(f"{self.name}: {size}B downloaded", file=sys.stderr)
         self.bar_format, self.name = "{desc}: {total_fmt}B downloaded", ""
         super().close()
 
@@ -518,13 +652,11 @@ class Progress(tqdm):
 
 def check_hash(path, file):
     """A file just downloaded against the hash the Hub announced: the SHA-256 of a large (LFS)
-    file, git's SHA-1 of "blob <size>\\0" + the bytes of a small one. One that differs is removed."""
+    file, git's SHA-1 of "blob <size>\\0" + the bytes of a small one. If it differs: removed."""
     digest = hashlib.sha256() if file.lfs else hashlib.sha1(f"blob {file.size}\0".encode())
     with open(path, "rb") as f:
-        block = f.read(1 << 24)
-        while block:
+        for block in iter(partial(f.read, 1 << 24), b""):  # 16 MB at a time
             digest.update(block)
-            block = f.read(1 << 24)
     expected = file.lfs.sha256 if file.lfs else file.blob_id
     if digest.hexdigest() != expected:
         os.remove(os.path.realpath(path))  # in the cache, the blob the link names
@@ -548,7 +680,8 @@ def hub_trouble(error):
 def hand_command(repo, local_dir, names):  # what download() would do, done by hand
     if local_dir is not None:
         return f"hf download {repo} {' '.join(names)} --local-dir {local_dir}"
-    return f'hf download {repo} --include "*.json" --include "*.safetensors", then --model {repo}'
+    files = " ".join(f'--include "*.{ext}"' for ext in ("json", "jinja", "safetensors"))
+    return f"hf download {repo} {files}, then --model {repo}"
 
 def stream_text(token_ids):
     """Yield (id, the text it adds). A character split over two tokens (emoji, CJK) comes whole."""
@@ -557,15 +690,18 @@ def stream_text(token_ids):
         yield token, stream.step(TOK, token) or ""
 
 def chat_prompt(turns, system=None, think=True):
-    """turns: [user, assistant, user, ...] texts, the user's last -> Qwen3's chat prompt.
-    Earlier answers lose their <think>...</think> part, as Qwen3's own template drops it."""
-    text = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    """turns: [user, assistant, user, ...] texts, the user's last -> Qwen3's chat prompt. Earlier
+    answers lose their <think>...</think> part, as its template drops it. Qwen3.5's also trims each
+    text and opens the answer's thinking itself ("<think>\n")."""
+    trim = str.strip if QWEN35 else str  # (str(text) is the text)
+    text = f"<|im_start|>system\n{trim(system)}<|im_end|>\n" if system else ""
     for i, turn in enumerate(turns):
-        role = "assistant" if i % 2 else "user"
+        role, turn = ("assistant" if i % 2 else "user"), trim(turn)
         if role == "assistant" and "</think>" in turn:  # keep what follows the thinking
             turn = turn.split("</think>")[-1].lstrip("\n")
         text += f"<|im_start|>{role}\n{turn}<|im_end|>\n"
-    return text + "<|im_start|>assistant\n" + ("" if think else "<think>\n\n</think>\n\n")
+    thinking = "<think>\n" if QWEN35 else ""  # thinking off: an empty think block, in both
+    return text + "<|im_start|>assistant\n" + (thinking if think else "<think>\n\n</think>\n\n")
 
 def chat_prompt_ids(turns, args):
     return tokenize(chat_prompt(turns, args.system, not args.no_think))
@@ -575,8 +711,14 @@ def reusable(cached_ids, prompt_ids):
     prompt's last token to compute (its logits give the reply's first token)."""
     return len(os.path.commonprefix([cached_ids, prompt_ids[:-1]]))  # element by element
 
-def cache_bytes(cache, positions=None):  # the keys' and values' bytes at 0..positions-1 (or all)
-    return sum(keys[:, :positions].nbytes + values[:, :positions].nbytes for keys, values in cache)
+def cache_bytes(cache, positions=None, kind="full_attention"):
+    """The keys' and values' bytes at positions 0..positions-1 (or all); kind="linear_attention":
+    Qwen3.5's DeltaNet states, the same size at any length."""
+    kinds = QWEN35["layer_types"] if QWEN35 else ["full_attention"] * len(cache)
+    layers = [c for c, k in zip(cache, kinds) if k == kind and c is not None]
+    if kind == "linear_attention":
+        return sum(a.nbytes for c in layers for a in c)
+    return sum(keys[:, :positions].nbytes + values[:, :positions].nbytes for keys, values in layers)
 
 def shown(token):  # a token's text, quoted (a leading space shows), special tokens by name
     return repr(TOK.decode([token], skip_special_tokens=False))
@@ -621,6 +763,8 @@ def reply(prompt_ids, args, cache, start=0, echo=""):
     if args.explain or args.show_probs:
         for token, p in top_tokens(logits, args.show_probs or 5):
             print(bar_row("", token, p))
+    if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
+        raise not_finite("after the prompt", logits.dtype)
     print("=" * 10 + "\n" + echo, end="", flush=True)
     generated, first = [], None
     tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache, start,
@@ -641,6 +785,10 @@ def print_stats(n_prompt, n, tic, first, cache, held):
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
     print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
           f"({cache_bytes(cache) / 1e6:.3f} MB allocated)", flush=True)
+    if QWEN35:  # the other memory
+        states = cache_bytes(cache, kind="linear_attention")
+        print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
+              f"{states / 1e6:.3f} MB at any length", flush=True)
 
 def converse(args):
     """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:
@@ -658,13 +806,15 @@ def converse(args):
         turns.append(line)
         prompt_ids = chat_prompt_ids(turns, args)
         reused = reusable(cached_ids, prompt_ids)
+        if QWEN35 and reused < len(cached_ids):  # a DeltaNet's state cannot be cut back to a
+            reused = 0  # prefix: unless the prompt extends all it holds, start afresh
         print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
         generated = reply(prompt_ids[reused:], args, cache, reused)
         turns.append(TOK.decode(generated))
         cached_ids = prompt_ids + generated  # what generate() leaves in the cache
 
 def as_text(data, source="standard input"):
-    """Bytes (standard input, or a flag given as bytes) -> text; where they are not UTF-8, a UserError."""
+    """Bytes (standard input, or a flag given as bytes) -> text; not UTF-8: a UserError."""
     try:
         return data.decode()
     except UnicodeDecodeError as e:
@@ -737,8 +887,13 @@ def main(argv=None):
         quant = cfg["quantization"]
         size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
                 f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
-    print(f"Qwen3 from {folder}: {N_LAYERS} layers, hidden {D}, {N_HEADS} query / {N_KV} KV heads"
-          f" x {HEAD_DIM}, {size}, {dtype_name(W['model.norm.weight'].dtype)}")
+    name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
+    if QWEN35:  # and what of it is not run
+        name = (f"Qwen3.5 from {folder} (text only: its vision tower and multi-token "
+                "prediction are not run)")
+        layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
+    print(f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {HEAD_DIM}, "
+          f"{size}, {dtype_name(W['model.norm.weight'].dtype)}")
     if args.chat and text is None:
         converse(args)
     elif args.chat:

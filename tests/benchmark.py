@@ -7,14 +7,16 @@
     python tests/benchmark.py --model Qwen3-0.6B     # a real checkpoint
     python tests/benchmark.py --shape small          # 28 tiny layers: bound by the launch overhead
     python tests/benchmark.py --quantize 4           # the same, quantised by mlx-lm (groups of 64)
+    python tests/benchmark.py --qwen35               # Qwen3.5-0.8B's proportions, 4 layers: 3 DeltaNet
 
 Runs alternate between the two implementations (ours, mlx-lm, ours, mlx-lm, ...) after one
 warm-up each, and each figure is the median over --runs. Prefill tokens/s = prompt tokens / time
 to the first token; decode tokens/s = tokens after the first / the time they took.
 
 Decode after a context of N tokens: each implementation prefills the N tokens once (untimed),
-then every run decodes from that cache: ours with generate(start=N), which writes over what an
-earlier run left after position N; mlx-lm's after trim_prompt_cache() back to N.
+then every run decodes from that cache: ours from a copy of the cache list (a KV buffer is
+written over after position N; a DeltaNet state, never changed in place, is the one after N);
+mlx-lm's after trimming each KV cache back to N and putting each DeltaNet state back.
 
 Peak memory is each implementation's own at each context, prefill included: MLX's peak while it
 ran, minus the weights of the other implementation, which sit in memory too.
@@ -42,13 +44,13 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llm_inference as li  # noqa: E402
-from conftest import QWEN3_06B, build_tokenizer, write_checkpoint  # noqa: E402
+from conftest import QWEN3_06B, QWEN35_08B, build_tokenizer, write_checkpoint, write_qwen35  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=28, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, vocab_size=640, max_position_embeddings=8192)
@@ -75,7 +77,8 @@ def ours_step():
 
 def mlx_lm_step(model):
     cache = make_prompt_cache(model)
-    mx.eval(model(mx.arange(16)[None], cache=cache), [c.state for c in cache])
+    mx.eval(model(mx.arange(16)[None], cache=cache),
+            [c.cache if isinstance(c, ArraysCache) else c.state for c in cache])
     return model(mx.array([[5]]), cache=cache)[0, -1]
 
 
@@ -95,11 +98,11 @@ class Ours:
 
     def prefill(self, ids):
         cache = [None] * li.N_LAYERS
-        list(li.generate(ids, max_tokens=1, cache=cache))  # the cache holds exactly the ids
+        mx.eval(li.prefill(ids, cache), cache)  # the cache holds exactly the ids
         return cache
 
     def decode(self, cache, start, token, max_tokens):
-        return li.generate([token], max_tokens=max_tokens, cache=cache, start=start)
+        return li.generate([token], max_tokens=max_tokens, cache=list(cache), start=start)
 
 
 class MlxLm:
@@ -111,11 +114,16 @@ class MlxLm:
 
     def prefill(self, ids):
         cache = make_prompt_cache(self.model)
-        list(self.generate_with(cache, ids, 1))
+        list(self.generate_with(cache, ids, 1))  # the cache holds exactly the ids
+        self.states = {id(c): list(c.cache) for c in cache if isinstance(c, ArraysCache)}
         return cache
 
     def decode(self, cache, start, token, max_tokens):
-        trim_prompt_cache(cache, cache[0].offset - start)  # back to the context alone
+        for c in cache:  # back to the context alone
+            if isinstance(c, ArraysCache):
+                c.cache = list(self.states[id(c)])
+            else:
+                c.trim(c.offset - start)
         return self.generate_with(cache, [token], max_tokens)
 
     def generate_with(self, cache, ids, max_tokens):
@@ -134,15 +142,21 @@ def main():
     ap.add_argument("--prefills", default="256,2048", help="prompt lengths for prefill speed")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="quantise it with mlx_lm.convert")
+    ap.add_argument("--qwen35", action="store_true", help="a random Qwen3.5 (0.8B's proportions)")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     folder = args.model
     if folder is None and args.shape == "small":
         shapes = SMALL
     elif folder is None:
-        vocab = QWEN3_06B["vocab_size"] * args.layers // 28 // 64 * 64
-        shapes = dict(QWEN3_06B, num_hidden_layers=args.layers, vocab_size=vocab)
-    if folder is None:
+        real = QWEN35_08B if args.qwen35 else QWEN3_06B
+        vocab = real["vocab_size"] * args.layers // real["num_hidden_layers"] // 64 * 64
+        shapes = dict(real, num_hidden_layers=args.layers, vocab_size=vocab)
+    if folder is None and args.qwen35:
+        print(f"writing a random {args.dtype} Qwen3.5: {shapes['num_hidden_layers']} layers, "
+              f"vocabulary {shapes['vocab_size']} ...")
+        folder = write_qwen35(tmp.name, build_tokenizer(), dtype=args.dtype, **shapes)
+    elif folder is None:
         print(f"writing a random {args.dtype} checkpoint: {shapes['num_hidden_layers']} layers, "
               f"hidden {shapes['hidden_size']}, vocabulary {shapes['vocab_size']} ...")
         folder = write_checkpoint(tmp.name, build_tokenizer(), dtype=args.dtype, lm_head="tied_stored",

@@ -163,3 +163,119 @@ def pytest_configure(config):
     """Show every skip's reason in the summary: the real-weights tests say how to enable them."""
     if "s" not in config.option.reportchars:
         config.option.reportchars += "s"
+
+
+# Tiny Qwen3.5: layers 0-2 Gated DeltaNet, layer 3 gated full attention (0.8B: 18 and 6 of 24).
+# The DeltaNet has fewer key heads than value heads (2 and 4: each key head serves two value
+# heads), which 0.8B does not (16 and 16), so that a wrong pairing shows.
+TINY35 = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, vocab_size=640, max_position_embeddings=2048,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=24, linear_conv_kernel_dim=4)
+QWEN35_08B = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=256, vocab_size=248320, max_position_embeddings=262144,
+                  linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4)
+
+# Qwen3.5's chat template for what chat_prompt() covers, written by its rules (the small models'
+# template): every content trimmed; an earlier answer keeps what follows its </think>; the answer
+# opens an empty think block unless enable_thinking is true. The checkpoint's own is checked by
+# tests/test_real_weights.py.
+CHAT_TEMPLATE_35 = (
+    "{%- for message in messages %}{%- set content = message.content|trim %}"
+    "{%- if message.role == 'assistant' and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is true %}{{- '<think>\\n' }}"
+    "{%- else %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def write_qwen35(folder, tokenizer, dtype="float32", tied=True, seed=0, layer_types=None, **overrides):
+    """A random-weight Qwen3.5 checkpoint in the Hugging Face layout of the release: config.json
+    with its text_config (and a vision_config), weights under model.language_model.*, the vision
+    tower's and the multi-token predictor's tensors there to be skipped, the five norms that
+    Qwen3.5 stores as offsets from 1 stored so (the DeltaNet's gated norm as a gain), the
+    convolution as (channels, 1, kernel), A_log in float32."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    c = dict(TINY35, **overrides)
+    n = c["num_hidden_layers"]
+    layer_types = layer_types or ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    d, f, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    keys, values = hk * c["linear_key_head_dim"], hv * c["linear_value_head_dim"]
+    conv, kernel = 2 * keys + values, c["linear_conv_kernel_dim"]
+    rng = np.random.default_rng(seed)
+    cast = getattr(mx, dtype)
+
+    def normal(shape, std):
+        return mx.array(rng.normal(0, std, shape).astype(np.float32)).astype(cast)
+
+    def mat(rows, cols, gain=1.0):
+        return normal((rows, cols), gain / np.sqrt(cols))
+
+    def offset(size):  # a gain near 1, stored as gain - 1
+        return normal((size,), 0.2)
+
+    p = "model.language_model."
+    arrays = {p + "embed_tokens.weight": normal((v, d), 1.0), p + "norm.weight": offset(d)}
+    for i, kind in enumerate(layer_types):
+        layer = f"{p}layers.{i}."
+        arrays.update({layer + "input_layernorm.weight": offset(d),
+                       layer + "post_attention_layernorm.weight": offset(d),
+                       layer + "mlp.gate_proj.weight": mat(f, d), layer + "mlp.up_proj.weight": mat(f, d),
+                       layer + "mlp.down_proj.weight": mat(d, f)})
+        if kind == "full_attention":
+            a = layer + "self_attn."
+            arrays.update({a + "q_proj.weight": mat(2 * q, d, 2.0), a + "k_proj.weight": mat(kv, d, 2.0),
+                           a + "v_proj.weight": mat(kv, d), a + "o_proj.weight": mat(d, q),
+                           a + "q_norm.weight": offset(hd), a + "k_norm.weight": offset(hd)})
+        else:
+            a = layer + "linear_attn."
+            arrays.update({a + "in_proj_qkv.weight": mat(conv, d, 2.0), a + "in_proj_z.weight": mat(values, d),
+                           a + "in_proj_b.weight": mat(hv, d), a + "in_proj_a.weight": mat(hv, d),
+                           a + "conv1d.weight": normal((conv, 1, kernel), 0.5),
+                           a + "dt_bias": normal((hv,), 0.5),
+                           a + "A_log": mx.array(np.log(rng.uniform(1, 16, hv)).astype(np.float32)),
+                           a + "norm.weight": 1 + normal((c["linear_value_head_dim"],), 0.2),  # a gain
+                           a + "out_proj.weight": mat(d, values)})
+    if not tied:
+        arrays["lm_head.weight"] = mat(v, d, 4.0)
+    arrays.update({"model.visual.patch_embed.proj.weight": normal((32, 3, 2, 4, 4), 0.02),
+                   "model.visual.blocks.0.attn.qkv.weight": normal((96, 32), 0.02),
+                   "mtp.fc.weight": normal((d, 2 * d), 0.02), "mtp.norm.weight": offset(d)})
+    mx.save_safetensors(str(folder / "model.safetensors"), arrays, metadata={"format": "pt"})
+    ids = {t: tokenizer.token_to_id(t) for t in SPECIALS}
+    text = {**c, "model_type": "qwen3_5_text", "layer_types": layer_types, "attention_bias": False,
+            "attn_output_gate": True, "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": tied,
+            "full_attention_interval": 4, "eos_token_id": ids["<|endoftext|>"], "dtype": dtype,
+            "mtp_num_hidden_layers": 1, "mamba_ssm_dtype": "float32",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                "mrope_interleaved": True, "mrope_section": [1, 1, 2]}}
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "tie_word_embeddings": tied, "text_config": text, "image_token_id": v - 4,
+              "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": d}}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "temperature": 1.0, "top_p": 1.0}))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "Qwen2Tokenizer", "chat_template": CHAT_TEMPLATE_35, "eos_token": "<|im_end|>",
+         "pad_token": "<|endoftext|>", "bos_token": None, "split_special_tokens": False}, indent=2))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen35(tmp_path_factory, tokenizer):
+    """A factory: qwen35(**options) writes (once per option set) and returns a Qwen3.5 folder."""
+    made = {}
+
+    def make(**options):
+        key = json.dumps(options, sort_keys=True)
+        if key not in made:
+            made[key] = write_qwen35(tmp_path_factory.mktemp("qwen35"), tokenizer, **options)
+        return made[key]
+
+    return make

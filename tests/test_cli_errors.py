@@ -496,7 +496,7 @@ def overflowing(checkpoint, tmp_path):
     return folder
 
 
-@pytest.mark.parametrize("flags, where", [([], "for token 1"), (["--show-probs", "3"], "after the prompt"),
+@pytest.mark.parametrize("flags, where", [([], "after the prompt"), (["--show-probs", "3"], "after the prompt"),
                                           (["--explain"], "after block 1")])
 def test_activations_that_overflow_float16(overflowing, flags, where):
     """In float32 the model runs; in float16 its numbers overflow. Today's line names where the
@@ -505,7 +505,7 @@ def test_activations_that_overflow_float16(overflowing, flags, where):
     r = run_cli("--model", str(overflowing), "-m", "3", "--dtype", "float16", *flags)
     assert_error(r, f"the logits {where} are not finite (NaN or inf) in float16: the activations "
                  "overflow it; compute in float32 (--dtype float32)")
-    assert "!!!" not in r.stdout
+    assert "!!!" not in r.stdout and "==========" not in r.stdout  # not a word of text
 
 
 def test_chat_with_a_tokenizer_without_chat_tokens(broken):

@@ -231,7 +231,7 @@ def test_repo_id_into_the_cache_and_its_hand_command(hub, fresh_clone, checkpoin
     shutil.rmtree(fresh_clone / "hf")
     r = run(fresh_clone, hub, "--model", "Qwen/Qwen3-1.7B", HF_HUB_OFFLINE="1")
     assert_error(r, 'By hand: hf download Qwen/Qwen3-1.7B --include "*.json" --include '
-                 '"*.safetensors", then --model Qwen/Qwen3-1.7B')
+                 '"*.jinja" --include "*.safetensors", then --model Qwen/Qwen3-1.7B')
     command = hand_command(r.stderr)
     command[0] = str(Path(sys.executable).parent / "hf")
     done = subprocess.run(command, env=environment(hub, fresh_clone / "hf"), capture_output=True,

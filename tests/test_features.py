@@ -4,7 +4,6 @@ import ast
 import os
 import re
 import select
-import shutil
 import subprocess
 import sys
 from pathlib import Path

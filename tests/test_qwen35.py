@@ -1,0 +1,281 @@
+"""Qwen3.5 (issue 23): the Gated DeltaNet and the gated attention against mlx-lm's qwen3_5 on
+tiny random checkpoints in the release's Hugging Face layout (a text_config, layer_types,
+model.language_model.* names, norms stored as offsets from 1, the convolution as (C, 1, K), vision
+and multi-token-prediction tensors to skip), and in mlx-lm's own layout (its convert(), plain
+and 4-bit). Layers 0-2 are DeltaNet, layer 3 full attention; the DeltaNet has 2 key heads and 4
+value heads, so that a wrong pairing of the two shows (0.8B's counts are equal, 16 and 16).
+
+Exactness is proven in float32, where mlx-lm and transformers add the norms' 1 alike; in
+bfloat16 two correct implementations round differently, and ours must be as close to the exact
+answer as mlx-lm's own.
+"""
+import json
+import re
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.convert import convert
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+import llm_inference as li
+from test_cli_errors import assert_error, run_cli
+from test_model import (TEXT, assert_generate_agrees, greedy_along_mlx_lm, mlx_lm_greedy,
+                        mlx_lm_logits, ours_logits, rel_err)
+
+
+@pytest.fixture(scope="module")
+def converted(qwen35, tmp_path_factory):
+    """mlx-lm's convert() of an untied float32 Qwen3.5 (quantize: 4 bits, groups of 32): names
+    language_model.model.*, norms already gains, the convolution (C, K, 1), no vision, no MTP."""
+    made = {}
+
+    def make(quantize):
+        if quantize not in made:
+            made[quantize] = tmp_path_factory.mktemp("converted") / f"q{quantize}"
+            convert(str(qwen35(tied=False)), str(made[quantize]), dtype="float32",
+                    quantize=bool(quantize), q_bits=4, q_group_size=32)
+        return made[quantize]
+    return make
+
+
+@pytest.mark.parametrize("layout", ["hf-tied", "hf-untied", "hf-equal-heads", "mlx", "mlx-4bit"])
+def test_float32_logits_equal_mlx_lm(qwen35, converted, tokenizer, layout):
+    """float32, three DeltaNet layers and one gated attention: summation order and mlx-lm's fused
+    kernels (rms_norm, rope, sdpa) against the formulas written out: measured 2e-7. A norm left
+    as an offset, a DeltaNet norm given one, a key head paired with the wrong value heads, the
+    decay's sign: 1e-2 or more."""
+    if layout.startswith("mlx"):
+        folder = converted(4 if layout == "mlx-4bit" else 0)
+    else:
+        folder = qwen35(**{"hf-tied": {}, "hf-untied": dict(tied=False),
+                           "hf-equal-heads": dict(linear_num_value_heads=2)}[layout])
+    ids = tokenizer.encode(TEXT).ids
+    ref = mlx_lm_logits(folder, ids)
+    ours = ours_logits(folder, ids)
+    assert ours.shape == ref.shape == (len(ids), 640) and ours.dtype == mx.float32
+    assert li.QWEN35["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert rel_err(ours, ref) < 1e-4
+    assert (mx.argmax(ours, -1) == mx.argmax(ref, -1)).all().item()
+
+
+def test_bfloat16_as_accurate_as_mlx_lm(qwen35, tokenizer):
+    """bfloat16: the exact answer is the same bfloat16 weights in float32 (mlx-lm's, its norms'
+    1 added in bfloat16, as ours is, before any cast). Ours no further from it than mlx-lm's own
+    bfloat16 logits, give or take a factor of 2; with --dtype float32, equal to it. The
+    recurrence's state stays float32 (A_log is stored so)."""
+    folder = qwen35(dtype="bfloat16")
+    ids = tokenizer.encode(TEXT).ids
+    ours = ours_logits(folder, ids)
+    assert ours.dtype == mx.bfloat16 and li.W["model.layers.0.linear_attn.A_log"].dtype == mx.float32
+    cache = [None] * li.N_LAYERS
+    li.forward(ids[:3], cache, 0)
+    assert cache[0][0].dtype == mx.bfloat16 and cache[0][1].dtype == mx.float32
+    ref_bf16, exact = mlx_lm_logits(folder, ids), mlx_lm_logits(folder, ids, dtype=mx.float32)
+    err_ours, err_ref = rel_err(ours, exact), rel_err(ref_bf16, exact)
+    print(f"bf16 error vs exact: ours {err_ours:.2e}, mlx-lm {err_ref:.2e}")
+    assert 0 < err_ours <= 2 * err_ref
+    li.load(folder, mx.float32)  # --dtype float32: the same gains (1 added before the cast)
+    assert rel_err(li.forward(ids, [None] * li.N_LAYERS, 0), exact) < 1e-4
+
+
+@pytest.mark.parametrize("steps", [[5] + [1] * 26, [7, 9, 15], [1, 1, 29], [30, 1]])
+def test_cached_steps_equal_one_forward(qwen35, tokenizer, steps):
+    """Prefill then decode, and chunks on a non-empty cache: the convolution's last 3 inputs and
+    the recurrent state carry across calls (from the second call on they matter)."""
+    li.load(qwen35())
+    ids = tokenizer.encode(TEXT).ids[:sum(steps)]
+    full = li.forward(ids, [None] * li.N_LAYERS, 0)
+    cache, rows, pos = [None] * li.N_LAYERS, [], 0
+    for n in steps:
+        rows.append(li.forward(ids[pos:pos + n], cache, pos))
+        pos += n
+    assert rel_err(mx.concatenate(rows), full) < 1e-5
+    conv_state, state = cache[0]
+    assert conv_state.shape == (3, 2 * 2 * 16 + 4 * 24) and state.shape == (4, 16, 24)
+    assert cache[3][0].shape == (2, 256, 32)  # the full-attention layer: keys (KV, room, hd)
+
+
+def test_chunked_prefill_equals_one_forward(qwen35, tokenizer, monkeypatch):
+    li.load(qwen35())
+    ids = tokenizer.encode(TEXT).ids
+    monkeypatch.setattr(li, "CHUNK", 8)  # 31 tokens: chunks of 8, 8, 8, 6, then the last token
+    full = li.forward(ids, [None] * li.N_LAYERS, 0)[-1]
+    assert rel_err(li.prefill(ids, [None] * li.N_LAYERS), full) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_generation_equals_mlx_lm(qwen35, tokenizer, dtype):
+    """Teacher-forced along mlx-lm's greedy ids (test_model.greedy_along_mlx_lm: ties within one
+    step of the dtype are not compared); generate() agrees up to the first tie."""
+    folder = qwen35(dtype=dtype, tied=False)
+    ids = tokenizer.encode("The capital of France is").ids
+    ref, top2s, ref_logits = mlx_lm_greedy(folder, ids, 24)
+    li.load(folder)
+    agreed = greedy_along_mlx_lm(ids, ref, top2s, ref_logits)
+    assert len(set(ref)) > 5
+    assert_generate_agrees(ids, 24, ref, agreed)
+
+
+def states(cache):
+    return [a for layer in cache for a in layer]
+
+
+def test_stopping_on_eos_leaves_the_state_of_what_was_yielded(qwen35, tokenizer):
+    """generate() queues the token after an EOS id before it sees the EOS: a recurrent state
+    absorbs it. It must be taken back: the cache afterwards equals a fresh run of prompt + reply,
+    and a turn that extends it equals a fresh run of the whole."""
+    li.load(qwen35(tied=False))  # (tied, this tiny model repeats one token)
+    ids = tokenizer.encode("The capital of France is").ids
+    free_run = list(li.generate(ids, max_tokens=12))
+    li.EOS_IDS = {free_run[6]} if free_run[6] not in free_run[:6] else {free_run[5]}
+    cache = [None] * li.N_LAYERS
+    reply = list(li.generate(ids, max_tokens=12, cache=cache))
+    assert len(reply) in (5, 6) and reply == free_run[:len(reply)]
+    fresh = [None] * li.N_LAYERS
+    mx.eval(li.forward(ids + reply, fresh, 0))
+    held = len(ids) + len(reply)
+    for (a, b), (fa, fb), kind in zip(cache, fresh, li.QWEN35["layer_types"]):
+        if kind == "full_attention":
+            a, b, fa, fb = a[:, :held], b[:, :held], fa[:, :held], fb[:, :held]
+        assert rel_err(a, fa) < 1e-5 and rel_err(b, fb) < 1e-5
+    more = ids + reply + tokenizer.encode(" And Japan's is").ids
+    li.EOS_IDS = set()
+    turn = list(li.generate(more[held:], max_tokens=6, cache=cache, start=held))
+    assert turn == list(li.generate(more, max_tokens=6))
+
+
+def test_delta_step_by_hand():
+    """One token through the delta rule, element by element, in numpy: forget (S *= decay),
+    recall (k S), correct (S += k^T beta (v - k S)), read (q S). 2 heads, dk 3, dv 2."""
+    rng = np.random.default_rng(0)
+    S = rng.normal(size=(2, 3, 2)).astype(np.float32)
+    q, k = rng.normal(size=(2, 3)).astype(np.float32), rng.normal(size=(2, 3)).astype(np.float32)
+    v = rng.normal(size=(2, 2)).astype(np.float32)
+    decay, beta = np.array([0.9, 0.5], np.float32), np.array([0.3, 1.0], np.float32)
+    want_S, want_y = np.zeros_like(S), np.zeros_like(v)
+    for h in range(2):
+        for j in range(2):
+            recalled = sum(k[h, i] * decay[h] * S[h, i, j] for i in range(3))
+            for i in range(3):
+                want_S[h, i, j] = decay[h] * S[h, i, j] + k[h, i] * beta[h] * (v[h, j] - recalled)
+            want_y[h, j] = sum(q[h, i] * want_S[h, i, j] for i in range(3))
+    got_S, got_y = li.delta_step(*(mx.array(a) for a in (S, q, k, v, decay, beta)))
+    assert np.allclose(np.array(got_S), want_S, atol=1e-6)
+    assert np.allclose(np.array(got_y), want_y, atol=1e-6)
+    # a unit key, written fully (beta 1) into an empty state: S holds v along k, q = k reads v
+    e = mx.array([[0.0, 1.0, 0.0]] * 2)
+    got_S, got_y = li.delta_step(mx.zeros((2, 3, 2)), e, e, mx.array(v), mx.ones(2), mx.ones(2))
+    assert np.allclose(np.array(got_y), v) and np.allclose(np.array(got_S[:, 1]), v)
+
+
+def test_command_line_plain_explain_and_memories(qwen35, tokenizer):
+    """The summary says what of Qwen3.5 runs; the KV cache line counts the one full-attention
+    layer's keys and values (growing), the DeltaNet line the 3 layers' fixed states; --explain
+    (which runs the prompt into the cache first) changes nothing of the text."""
+    folder = qwen35(tied=False)
+    plain = run_cli("--model", str(folder), "-m", "6")
+    explained = run_cli("--model", str(folder), "-m", "6", "--explain")
+    assert plain.returncode == explained.returncode == 0 and plain.stderr == "", plain.stderr
+    assert plain.stdout.startswith(
+        f"Qwen3.5 from {folder} (text only: its vision tower and multi-token prediction are not "
+        "run): 4 layers, 3 of them Gated DeltaNet, hidden 64, 4 query / 2 KV heads x 32, ")
+    text = plain.stdout.split("==========\n")[1]
+    assert text.startswith("The capital of France is") and text in explained.stdout
+    assert len(re.findall(r"\n +block \d ", explained.stdout)) == 4  # the lens: every layer
+    li.load(folder)
+    ids = tokenizer.encode("The capital of France is").ids
+    held = len(ids) + len(list(li.generate(ids, max_tokens=6)))
+    kv = held * 1 * 2 * 2 * 32 * 4                                    # 1 layer x (k, v) x 2 x 32
+    states = 3 * (3 * 160 + 4 * 16 * 24) * 4                          # conv and state, float32
+    assert (f"KV cache: {held} positions, {kv / 1e6:.3f} MB ({256 * 2 * 2 * 32 * 4 / 1e6:.3f} MB "
+            f"allocated)\nDeltaNet state: 3 layers, {states / 1e6:.3f} MB at any length") in plain.stdout
+
+
+def test_conversation_turn_equals_a_fresh_run(qwen35, tokenizer):
+    """A recurrent state cannot be cut back to a common prefix: a turn whose prompt does not
+    extend all that is cached (the template drops the answer's thinking) computes afresh. Its
+    reply equals a fresh run of the whole prompt."""
+    folder = qwen35(tied=False)
+    r = run_cli("--model", str(folder), "--chat", "-m", "6", stdin=b"Hello there\nAnd Japan?\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    li.load(folder)
+    ids1 = tokenizer.encode(li.chat_prompt(["Hello there"])).ids
+    reply1 = tokenizer.decode(list(li.generate(ids1, max_tokens=6)))
+    ids2 = tokenizer.encode(li.chat_prompt(["Hello there", reply1, "And Japan?"])).ids
+    assert f"[KV cache: 0 tokens reused, {len(ids2)} new to prefill]" in r.stdout
+    reply2 = "".join(piece for _, piece in li.stream_text(li.generate(ids2, max_tokens=6)))
+    assert "==========\n" + reply2 + "\n==========" in r.stdout.split("[KV cache: 0 tokens")[2]
+
+
+@pytest.mark.parametrize("system", [None, "  You are terse. 🙂\n"])
+@pytest.mark.parametrize("think", [True, False])
+def test_chat_prompt_is_qwen35_template(qwen35, system, think):
+    """chat_prompt() for Qwen3.5: its template (conftest.CHAT_TEMPLATE_35, its rules for what the
+    script sends) as mlx-lm's tokenizer renders it: each text trimmed, an earlier answer's
+    thinking dropped, the answer opened with "<think>\\n" when thinking."""
+    folder = qwen35()
+    li.load(folder)
+    turns = ["  Hi 🇫🇷 ", "<think>\nA greeting.\n</think>\n\n Hello! ", "And Japan?\n"]
+    messages = [{"role": "system", "content": system}] if system else []
+    messages += [{"role": ("assistant" if i % 2 else "user"), "content": t} for i, t in enumerate(turns)]
+    expected = load_tokenizer(Path(folder)).apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=think)
+    assert li.tokenize(li.chat_prompt(turns, system, think)) == list(expected)
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"layer_types": ["linear_attention"] * 3}, "layer_types must name each of the num_hidden_layers layers"),
+    ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]}, 'layer_types must be a list of'),
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads must be a multiple of linear_num_key_heads"),
+    ({"linear_conv_kernel_dim": None}, "has no 'linear_conv_kernel_dim' entry"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.3}},
+     "head_dim x partial_rotary_factor must be even"),  # 32 x 0.3: 9 dimensions
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0,
+                                          "partial_rotary_factor": 0.25}}, "rope_scaling"),
+])
+def test_config_errors(qwen35, tmp_path, change, needle):
+    folder = Path(shutil.copytree(qwen35(), tmp_path / "model"))
+    config = li.parse_json(folder / "config.json")
+    config["text_config"].update(change)
+    config["text_config"] = {k: v for k, v in config["text_config"].items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert_error(run_cli("--model", str(folder)), str(folder / "config.json"), needle)
+
+
+def test_missing_deltanet_tensor(qwen35, tmp_path):
+    folder = Path(shutil.copytree(qwen35(), tmp_path / "model"))
+    weights = mx.load(str(folder / "model.safetensors"))
+    del weights["model.language_model.layers.1.linear_attn.A_log"]
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    assert_error(run_cli("--model", str(folder)), "tensor model.layers.1.linear_attn.A_log is missing",
+                 "expected shape (4,)")
+
+
+def test_download_by_repo_id(qwen35, tmp_path):
+    """--model Qwen/Qwen3.5-0.8B from a stand-in Hub (tests/hub.py): the configs, the template,
+    the tokenizer and the weights come into the Hugging Face cache (not the README), and the text
+    equals the local folder's."""
+    from hub import StandInHub
+    from test_download import run
+    folder = Path(shutil.copytree(qwen35(tied=False), tmp_path / "release"))
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    (folder / "preprocessor_config.json").write_text("{}")
+    (folder / "README.md").write_text("a model card")
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    shutil.copy(Path(li.__file__), clone)
+    hub = StandInHub()
+    try:
+        hub.add_repo("Qwen/Qwen3.5-0.8B", folder, sorted(p.name for p in folder.iterdir()))
+        r = run(clone, hub, "--model", "Qwen/Qwen3.5-0.8B")
+    finally:
+        hub.close()
+    assert r.returncode == 0, r.stderr
+    assert sorted(line.split(":")[0] for line in r.stderr.splitlines()) == sorted(
+        ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+         "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"])
+    assert r.stdout.split("==========")[1] == run_cli("--model", str(folder), "-m", "3").stdout.split(
+        "==========")[1]
