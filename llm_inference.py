@@ -2,7 +2,7 @@
 Qwen3-0.6B on MLX", in its order, a comment wherever the code departs from it. After generate():
 what it leaves out (quantised weights, Qwen3.5), then file checks, download, chat, command line.
 One sequence, no batch; shapes are Qwen3-0.6B's. MLX is lazy: mx.* records, mx.eval computes."""
-import argparse, hashlib, json, math, os, re, signal, sys, time  # noqa: E401 (standard library)
+import argparse, hashlib, json, math, os, re, shutil, signal, sys, time  # noqa: E401 (stdlib)
 from functools import partial
 from pathlib import Path
 
@@ -634,8 +634,10 @@ class Progress(tqdm):
     def __init__(self, *args, desc="", **kwargs):  # desc: a file name, or its URL
         self.name = desc.split(": ")[0].split("/")[-1].replace("(…)", "")
         Progress.fetched.add(self.name)
+        columns, lines = shutil.get_terminal_size()  # (80, 24) where a terminal has no size
         kwargs.update(position=None, leave=True, file=sys.stderr, disable=not sys.stderr.isatty(),
-                      bar_format="{desc}: {n_fmt}B / {total_fmt}B, {rate_fmt}, {remaining} left")
+                      bar_format="{desc}: {n_fmt}B / {total_fmt}B, {rate_fmt}, {remaining} left",
+                      ncols=columns, nrows=lines)
         super().__init__(*args, desc=self.name, **kwargs)
 
     def close(self):  # the file is complete: its line, once

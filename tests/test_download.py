@@ -97,15 +97,17 @@ def screen(raw):
     return [line for line in lines if line]
 
 
-def test_first_run_at_a_terminal(hub, fresh_clone, checkpoint):
+@pytest.mark.parametrize("columns", [100, 0])
+def test_first_run_at_a_terminal(hub, fresh_clone, checkpoint, columns):
     """At a (pseudo-)terminal: the large file's line is redrawn with the bytes so far, the speed
     and the time left; each file ends on a line of its own, before the script's first line;
     nothing is printed after the statistics. (huggingface_hub reports every 10 MB: the weights
-    here are 31 MB, arriving over 3 s.)"""
+    here are 31 MB, arriving over 3 s.) A terminal that reports no size (0 columns, as some
+    pseudo-terminals do) shows the same lines: tqdm alone would print them empty."""
     hub.add_repo("Qwen/Qwen3-0.6B", checkpoint(vocab_size=60000), FILES)
     hub.slow["model.safetensors"] = 3.0
     leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24 if columns else 0, columns, 0, 0))
     p = subprocess.Popen([sys.executable, str(fresh_clone / "llm_inference.py"), "-m", "3"],
                          stdin=follower, stdout=follower, stderr=follower,
                          env=environment(hub, fresh_clone / "hf"))
