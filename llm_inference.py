@@ -343,7 +343,7 @@ def qwen35_weights(weights):
     """Hugging Face's checkpoint (its convolution (C, 1, K)) stores five norms as offsets from 1,
     not the DeltaNet's: they become gains, 1 added in the stored dtype, before any --dtype, as
     mlx-lm does (transformers adds it in float32: on bfloat16 weights the two differ by one
-    rounding of each gain, 1e-2 in the logits). An mlx-lm conversion (C, K, 1) holds gains."""
+    rounding of each gain, a few 1e-2 in the logits). mlx-lm's conversions (C, K, 1) hold gains."""
     hf = any(name.endswith("conv1d.weight") and w.shape[1] == 1 for name, w in weights.items())
     offsets = ("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight")
     for name, w in weights.items():
