@@ -241,10 +241,10 @@ def dequantize(packed, scales, biases, bits):
     w = scales[..., None] * q.astype(scales.dtype) + biases[..., None]  # (..., groups, group)
     return w.reshape(*w.shape[:-2], n)                                # (..., n)
 
-def quantized_linear(x, name):  # x @ dequantize(W[name]).T, never writing the unpacked matrix:
+def quantized_linear(x, name):  # x @ dequantize(W[name]).T, never writing the unpacked matrix
     packed, scales, biases = (W[name + part] for part in (".weight", ".scales", ".biases"))
     bits, group = packed.shape[-1] * 32 // x.shape[-1], x.shape[-1] // scales.shape[-1]
-    return mx.quantized_matmul(x, packed, scales, biases, group_size=group, bits=bits)  # 4 bits
+    return mx.quantized_matmul(x, packed, scales, biases, group_size=group, bits=bits)  # reads q
 
 def embed_quantized(ids):  # a quantised embedding: only the rows the ids pick are unpacked
     rows = [W["model.embed_tokens" + part][ids] for part in (".weight", ".scales", ".biases")]
