@@ -461,8 +461,8 @@ def read_configs(model_dir):
         cfg.pop("quantization_config", None)
     entries = {**CONFIG, **QWEN35_CONFIG} if cfg.get("model_type") == "qwen3_5" else CONFIG
     gen = {"eos_token_id": None, **gen}  # generation_config.json's is optional
-    for file, data, entries in [(path, cfg, entries), (gen_path, gen, {"eos_token_id": "ids"})]:
-        for name, kind in entries.items():
+    for file, data, kinds in [(path, cfg, entries), (gen_path, gen, {"eos_token_id": "ids"})]:
+        for name, kind in kinds.items():
             if name not in data:
                 raise UserError(f"{file} has no '{name}' entry")
             if not fits(data[name], kind):

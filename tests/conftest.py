@@ -145,18 +145,24 @@ def tokenizer():
     return build_tokenizer()
 
 
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory, tokenizer):
-    """A factory: checkpoint(**options) writes (once per option set) and returns a folder."""
+def once_per_options(tmp_path_factory, tokenizer, write, name):
+    """A factory: make(**options) calls write() once per option set, in a fresh folder, and
+    returns that folder."""
     made = {}
 
     def make(**options):
         key = json.dumps(options, sort_keys=True)
         if key not in made:
-            made[key] = write_checkpoint(tmp_path_factory.mktemp("qwen3"), tokenizer, **options)
+            made[key] = write(tmp_path_factory.mktemp(name), tokenizer, **options)
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory, tokenizer):
+    """A factory: checkpoint(**options) writes (once per option set) and returns a folder."""
+    return once_per_options(tmp_path_factory, tokenizer, write_checkpoint, "qwen3")
 
 
 def pytest_configure(config):
@@ -270,12 +276,4 @@ def write_qwen35(folder, tokenizer, dtype="float32", tied=True, seed=0, layer_ty
 @pytest.fixture(scope="session")
 def qwen35(tmp_path_factory, tokenizer):
     """A factory: qwen35(**options) writes (once per option set) and returns a Qwen3.5 folder."""
-    made = {}
-
-    def make(**options):
-        key = json.dumps(options, sort_keys=True)
-        if key not in made:
-            made[key] = write_qwen35(tmp_path_factory.mktemp("qwen35"), tokenizer, **options)
-        return made[key]
-
-    return make
+    return once_per_options(tmp_path_factory, tokenizer, write_qwen35, "qwen35")

@@ -134,10 +134,6 @@ def test_greedy_generation_equals_mlx_lm(qwen35, tokenizer, dtype):
     assert_generate_agrees(ids, 24, ref, agreed)
 
 
-def states(cache):
-    return [a for layer in cache for a in layer]
-
-
 def test_stopping_on_eos_leaves_the_state_of_what_was_yielded(qwen35, tokenizer):
     """generate() queues the token after an EOS id before it sees the EOS: a recurrent state
     absorbs it. It must be taken back: the cache afterwards equals a fresh run of prompt + reply,
