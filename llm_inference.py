@@ -1,44 +1,64 @@
-"""Qwen3 from scratch in MLX. Steps 1-9: the article "Inside an LLM: Pure Python Inference for
-Qwen3-0.6B on MLX", in its order, a comment wherever the code departs from it. After generate():
-what it leaves out (quantised weights, Qwen3.5), then file checks, download, chat, command line.
-One sequence, no batch; shapes are Qwen3-0.6B's. MLX is lazy: mx.* records, mx.eval computes."""
-import argparse, hashlib, json, math, os, re, shutil, signal, sys, time  # noqa: E401 (stdlib)
+"""Qwen3 from scratch in MLX, beside the article "Inside an LLM: Pure Python Inference for Qwen3".
+Part I    the article's script: constants, load(), Steps 1-9 through generate(). It runs alone.
+Part II   what the article leaves out: quantised weights, Qwen3.5, multi-token prediction, batching.
+Part III  what serves it all: file checks, download, chat, the command line."""
+import json, math  # noqa: E401
 from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
-from tqdm import tqdm  # installed with huggingface_hub, with tokenizers: the download's display
 
-# ═══ Before Step 1: the recipe, the ingredients, the dictionary ═══
+# ═══ Part I — the article's script. Its constants hold Qwen3-0.6B's values until load() ═══
 W = {}           # Hugging Face tensor name -> array, e.g. W["model.norm.weight"] (1024,)
 TOK = None       # tokenizers.Tokenizer from tokenizer.json: text <-> token ids
-D = 0            # 1024   hidden_size: width of the residual stream
-N_LAYERS = 0     # 28     num_hidden_layers
-N_HEADS = 0      # 16     num_attention_heads (query heads)
-N_KV = 0         # 8      num_key_value_heads (2 query heads share 1 KV head)
-HEAD_DIM = 0     # 128    head_dim: NOT hidden/heads (64); 16 x 128 = 2048 != 1024
-EPS = 0.0        # 1e-6   rms_norm_eps
-THETA = 0.0      # 1e6    rope_theta: base of RoPE's rotation frequencies
-MAX_POS = 0      # 40960  max_position_embeddings: the longest context
-EOS_IDS = set()  # {151645 <|im_end|>, 151643 <|endoftext|>}: generation stops on any of them
+D = 1024         # hidden_size: width of the residual stream
+N_LAYERS = 28    # num_hidden_layers
+N_HEADS = 16     # num_attention_heads (query heads)
+N_KV = 8         # num_key_value_heads (2 query heads share 1 KV head)
+D_HEAD = 128     # head_dim: not D / N_HEADS (64); 16 x 128 = 2048 != 1024
+EPS = 1e-6       # rms_norm_eps
+THETA = 1e6      # rope_theta: base of RoPE's rotation frequencies
+MAX_POS = 40960  # max_position_embeddings: the longest context
+EOS_IDS = {151645, 151643}  # <|im_end|>, <|endoftext|>: the article stops on one; any stops here
+QWEN35 = {}      # {} for Qwen3; Qwen3.5's own config entries (Part II)
 GROW = 256       # the KV cache's buffers grow by this many positions at a time (Step 5)
 CHUNK = 512      # a long prompt goes through the model this many tokens at a time (Step 9)
 
-def load(model_dir, dtype=None):
-    """A model folder -> the constants above, W and TOK. dtype: compute in it, not the weights'."""
-    global W, TOK, D, N_LAYERS, N_HEADS, N_KV, HEAD_DIM, EPS, THETA, MAX_POS, EOS_IDS, QWEN35
-    cfg = read_configs(model_dir)  # config.json, generation_config.json: checked (after generate())
-    D, N_LAYERS, HEAD_DIM = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
-    N_HEADS, N_KV, EOS_IDS = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["eos_ids"]
+def use(cfg, weights, tokenizer):  # config.json's entries (and "eos_ids") -> the constants
+    global W, TOK, D, N_LAYERS, N_HEADS, N_KV, D_HEAD, EPS, THETA, MAX_POS, EOS_IDS, QWEN35
+    W, TOK, EOS_IDS, QWEN35 = weights, tokenizer, cfg["eos_ids"], cfg.get("qwen35", {})
+    D, N_LAYERS, D_HEAD = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
+    N_HEADS, N_KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     EPS, THETA, MAX_POS = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["max_position_embeddings"]
-    QWEN35 = cfg["qwen35"]  # {} for Qwen3; Qwen3.5's own sizes and layers' kinds (after generate())
-    W = read_weights(model_dir, cfg, dtype)  # each tensor the model uses, of its right shape
-    TOK = read_tokenizer(model_dir, cfg)  # every id a row of the embedding table
     return cfg
 
-def linear(x, name):  # x @ W[name + ".weight"].T, the article's product (4/8-bit: after generate())
+def as_list(ids):  # an EOS entry: an id, a list of them, or null
+    return ids if isinstance(ids, list) else [ids]
+
+def load(model_dir, dtype=None):
+    """The article's set-up, unchecked: config.json, the weights (mx.load), tokenizer.json.
+    dtype: compute in it, not the weights' own. The command line's load_checked() (Part III)
+    checks every file and entry first, then fills the same names through use()."""
+    folder = Path(model_dir)
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg["model_type"] != "qwen3" or "quantization" in cfg:  # Qwen3.5, 4/8-bit: Part III
+        return load_checked(folder, dtype)
+    cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))  # or nested
+    gen = folder / "generation_config.json"  # Qwen3's second EOS id is there
+    gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
+    cfg["eos_ids"] = set(as_list(cfg.get("eos_token_id")) + as_list(gen_eos)) - {None}
+    index, files = folder / "model.safetensors.index.json", ["model.safetensors"]  # 0.6B: one file
+    if index.exists():  # a larger Qwen3's shards, as its index names them
+        files = set(json.loads(index.read_text())["weight_map"].values())
+    weights = {name: w.astype(dtype or w.dtype)
+               for file in files for name, w in mx.load(str(folder / file)).items()}
+    if cfg.get("tie_word_embeddings"):  # Qwen3-0.6B: one table, read both ways
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    mx.eval(weights)  # read from disk now, so that generation times only generation
+    return use(cfg, weights, Tokenizer.from_file(str(folder / "tokenizer.json")))
+
+def linear(x, name):  # x @ W[name + ".weight"].T, the article's product (4/8-bit: Part II)
     return quantized_linear(x, name) if name + ".scales" in W else x @ W[name + ".weight"].T
 
 # ═══ Step 1. Tokenize — text becomes ids, numbers in the model's own dictionary ═══
@@ -49,7 +69,7 @@ def tokenize(text):
 # ═══ Step 2. Embed — each id picks its row of a table: the token's meaning, before context ═══
 def embed(token_ids):
     """L ids -> (L, D): row i of model.embed_tokens.weight (151936, 1024) for id i."""
-    if "model.embed_tokens.scales" in W:  # quantised (after generate()): these rows unpacked
+    if "model.embed_tokens.scales" in W:  # a quantised table: Part II
         return embed_quantized(mx.array(token_ids))
     return W["model.embed_tokens.weight"][mx.array(token_ids)]        # (L, 1024)
 
@@ -57,9 +77,9 @@ def embed(token_ids):
 # @mx.compile, here and below: MLX traces the function once per input shape and fuses its
 # element-wise steps into one kernel. Delete it and you get the same numbers, more slowly.
 @mx.compile
-def rms_norm(x, w, eps):
-    """x: (..., n), w: (n,) -> x / sqrt(mean(x^2) + eps) * w, the mean in float32 (the article's,
-    in bfloat16, drifts). eps is an argument: a compiled trace keeps the Python values it read."""
+def rms_norm(x, w, eps=1e-6):
+    """x: (..., n), w: (n,) -> x / sqrt(mean(x^2) + eps) * w, the mean in float32 (in bfloat16 it
+    drifts). eps: the article's EPS unless given; a compiled trace keeps Python values it read."""
     x32 = x.astype(mx.float32)                                        # (..., n)
     x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # (..., n)
     return w * x32.astype(x.dtype)                                    # (..., n)
@@ -68,30 +88,34 @@ def rms_norm(x, w, eps):
 def rope_tables(positions, dtype, dims=None):
     """positions (L,) -> cos, signed_sin (L, 1, 128): pair i turns by position * f_i. Once per pass
     (the article: in each layer), in the model's dtype (its float32 ones promote q, k, then all)."""
-    half = (dims or HEAD_DIM) // 2
-    inv_freq = 1.0 / THETA ** (mx.arange(half, dtype=mx.float32) / half)  # (64,) f_i
-    angles = positions.astype(mx.float32)[:, None, None] * inv_freq   # (L, 1, 64) float32
+    half = (dims or D_HEAD) // 2                                      # 64
+    freqs = 1.0 / THETA ** (mx.arange(half, dtype=mx.float32) / half)  # (64,) f_i
+    angles = positions.astype(mx.float32)[:, None, None] * freqs      # (L, 1, 64) float32
     cos, sin = mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype)  # (L, 1, 64) each
     return mx.concatenate([cos, cos], -1), mx.concatenate([-sin, sin], -1)  # (L, 1, 128) each
 
 @mx.compile
 def apply_rope(x, cos, signed_sin):
-    """x: (L, heads, hd) -> each pair (x1, x2) = (x[i], x[i + hd/2]) turned by its angle: (x1 cos -
-    x2 sin, x2 cos + x1 sin). The article: x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1);
-    here the minus sits in the table, so a turn is one swap and one fused kernel. Same numbers."""
+    """x: (L, heads, hd) -> each pair (x1, x2) = (x[i], x[i + hd/2]) turned by its angle, as the
+    article's rotate(): [x1 cos - x2 sin, x1 sin + x2 cos], here in one fused product x * (cos, cos)
+    + (x2, x1) * (-sin, sin). The article's apply_rope(q, k, positions) turns both q and k."""
+    if not isinstance(signed_sin, mx.array):  # the article's call: say ours
+        raise TypeError("apply_rope() turns one tensor: apply_rope(q, *rope_tables(positions, dt))")
     half = x.shape[-1] // 2
     swapped = mx.concatenate([x[..., half:], x[..., :half]], axis=-1)  # (L, heads, 128) (x2, x1)
     return x * cos + swapped * signed_sin                             # (L, heads, 128)
 
 # ═══ Step 5. Grouped-query attention — every token asks, earlier ones answer; 2 askers share ═══
 def attention(x, layer_idx, cache, start, rope, visible):
-    """x: (L, D) at positions start.. -> (L, D). rope: RoPE's tables; visible: (L, S) keys seen."""
-    if QWEN35:  # Qwen3.5's two kinds of layer (after generate())
+    """x: (L, D) at positions start.. -> (L, D). rope: RoPE's tables; visible: (L, S) keys seen.
+    The article moves the heads first, (16, seq, 128); here they stay second, (L, 16, 128), until
+    attend() and cache_write(): QK-norm and RoPE act on the last axis either way."""
+    if QWEN35:  # Qwen3.5's two kinds of layer: Part II
         return qwen35_attention(x, layer_idx, cache, start, visible)
     p = f"model.layers.{layer_idx}.self_attn."
-    q = linear(x, p + "q_proj").reshape(-1, N_HEADS, HEAD_DIM)        # (L, 16, 128) split heads
-    k = linear(x, p + "k_proj").reshape(-1, N_KV, HEAD_DIM)           # (L, 8, 128)
-    v = linear(x, p + "v_proj").reshape(-1, N_KV, HEAD_DIM)           # (L, 8, 128)
+    q = linear(x, p + "q_proj").reshape(-1, N_HEADS, D_HEAD)          # (L, 16, 128) split heads
+    k = linear(x, p + "k_proj").reshape(-1, N_KV, D_HEAD)             # (L, 8, 128)
+    v = linear(x, p + "v_proj").reshape(-1, N_KV, D_HEAD)             # (L, 8, 128)
     q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm: each head of q
     k = rms_norm(k, W[p + "k_norm.weight"], EPS)                      # and of k, before RoPE
     q = apply_rope(q, *rope)                                          # (L, 16, 128)
@@ -101,12 +125,10 @@ def attention(x, layer_idx, cache, start, rope, visible):
     return linear(out, p + "o_proj")                                  # (L, 1024)
 
 def cache_write(cache, layer_idx, k, v, start):
-    """k, v (L, KV, hd) -> this layer's keys and values so far, (KV, S, hd). The article copies the
-    cache onto a new one with each token; here MLX writes it into buffers with room to spare."""
+    """k, v (L, KV, hd) -> this layer's keys and values so far, (KV, S, hd); None: none yet. The
+    article makes a new cache with each token (concatenate); here it is written into buffers."""
     end = start + k.shape[0]
-    if cache[layer_idx] is None:                                      # this layer's first call:
-        cache[layer_idx] = (mx.zeros((k.shape[1], 0, k.shape[2]), k.dtype),) * 2  # (8, 0, 128)
-    keys, values = cache[layer_idx]
+    keys, values = cache[layer_idx] or (mx.zeros((k.shape[1], 0, k.shape[2]), k.dtype),) * 2
     if keys.shape[1] < end:                                           # full: GROW more positions
         more = mx.zeros((k.shape[1], -(-end // GROW) * GROW - keys.shape[1], k.shape[2]), k.dtype)
         keys = mx.concatenate([keys, more], axis=1)                   # (8, 256, 128), (8, 512, ..
@@ -130,8 +152,9 @@ def attend(q, k, v, visible):
 
 @partial(mx.compile, shapeless=True)  # one trace for every L and S
 def masked_scores(scores, visible, sqrt_hd):
-    """The article adds triu(-1e9): wrong once the cache holds tokens (the triangle must shift by
-    them), and -1e9 overflows float16. Here, -inf where a key is not visible: probability 0."""
+    """The causal mask. The article's triu(-1e9) suits its prefill, on an empty cache; a prompt
+    continued on a cache (Step 9's chunks, a chat's next turn) needs it shifted by what the cache
+    holds. Here a key is visible when its position is at most the query's; others get -inf."""
     return mx.where(visible, scores.astype(mx.float32) / sqrt_hd, -mx.inf)  # (..., L, S) float32
 
 # ═══ Step 6. SwiGLU feed-forward — a gate decides how much of each of 3072 features passes ═══
@@ -163,7 +186,7 @@ def lm_head(x):
     return linear(x, "lm_head")                                       # (L, 151936) (0.6B: tied)
 
 def forward(token_ids, cache, start, hidden=None):  # hidden: a list, given x after each block
-    """L ids at positions start.. -> logits (L, vocab): Steps 2-8. cache: [None] * N_LAYERS first"""
+    """L ids at positions start.. -> logits (L, vocab): Steps 2-8. cache: one tuple per layer."""
     x = embed(token_ids)                                              # (L, 1024)
     end = start + x.shape[0]                                          # S: positions after this call
     positions = mx.arange(start, end)                                 # (L,)
@@ -177,8 +200,9 @@ def forward(token_ids, cache, start, hidden=None):  # hidden: a list, given x af
 
 def sample(logits, temperature=0.0, top_p=1.0):
     """logits (vocab,) (or (L, vocab): its last row) -> the next id: temperature 0, the likeliest;
-    else softmax(logits / T) over the fewest likeliest tokens reaching top_p, in float32. The
-    article returns an int, slicing; this a lazy 0-d array, masking: generate() queues the next."""
+    else softmax(logits / T) over the fewest likeliest tokens reaching top_p (the article's default
+    0.95; 1.0, no cut, is mlx-lm's), in float32. The article slices and returns an int; this masks
+    and returns a lazy 0-d array, so that generate() can queue the next step (Step 9)."""
     logits = logits.reshape(-1, logits.shape[-1])[-1]                 # (vocab,)
     if temperature == 0:
         return mx.argmax(logits)                                      # ()
@@ -204,29 +228,43 @@ def prefill(prompt_ids, cache, start=0, hidden=None):
 def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None, start=0,
              logits=None):
     """Yield up to max_tokens ids after prompt_ids, stopping before any EOS id and at the context's
-    end; cache, start: an earlier cache and how much of it to keep; logits: the prompt's, if
-    prefill() ran it in. On return the cache holds the prompt and every id yielded."""
+    end; cache, start: a cache and how much of it to keep; logits: the prompt's, if prefill() ran
+    it in. On return the cache holds the prompt and every id yielded."""
     if isinstance(prompt_ids, str):  # the article's generate() takes text and returns text
         raise TypeError("generate() takes ids: TOK.decode(list(generate(tokenize(text))))")
     cache = [None] * N_LAYERS if cache is None else cache
     if logits is None:
         logits = prefill(prompt_ids, cache, start)                    # (vocab,) lazy
-    first = start + len(prompt_ids)                                   # the position of token 1
-    token, finite = sample(logits, temperature, top_p), mx.isfinite(logits).all()  # () () lazy
-    for pos in range(first, min(first + max_tokens, MAX_POS)):       # never past the context
-        before = list(cache)                                          # the cache up to pos - 1
-        logits = forward(token[None], cache, pos)[-1]                 # (vocab,) the next step,
-        upcoming = sample(logits, temperature, top_p), mx.isfinite(logits).all()  # built and
-        if pos + 1 < min(first + max_tokens, MAX_POS):  # queued before this token is known: the
-            mx.async_eval(upcoming)                     # article waits, leaving MLX idle meanwhile
+    first, end = start + len(prompt_ids), min(start + len(prompt_ids) + max_tokens, MAX_POS)
+    # The article's loop, as MLX runs it. An mx.* call only records; MLX computes when Python needs
+    # a value (.item(), int()) or when asked (mx.async_eval starts the work and returns at once).
+    # The article's int() waits for each token before it records the next step, so the machine
+    # idles while Python works. Here each token is queued as soon as it is recorded (the first on
+    # its own, as mlx-lm does, so it does not wait for the second's pass), and the step that feeds
+    # it back is queued before the token is looked at: while Python checks and yields token n, MLX
+    # computes n + 1. So a token is in the cache before we know it is EOS; if it is, the cache is
+    # set back to its tuples before that step (a KV buffer, written in place, keeps the position,
+    # but nothing reads it before it is written over; a DeltaNet state is a new array).
+    token, finite = sample(logits, temperature, top_p), mx.isfinite(logits).all()  # () ()
+    mx.async_eval(token, finite)
+    for pos in range(first, end):
+        before = list(cache)
+        logits = forward(token[None], cache, pos)[-1]                 # (vocab,)
+        upcoming = sample(logits, temperature, top_p), mx.isfinite(logits).all()
+        if pos + 1 < end:
+            mx.async_eval(upcoming)
         if not finite.item():  # NaN or inf: the numbers overflowed the dtype
-            raise not_finite(f"for token {pos - first + 1}", logits.dtype)
-        if token.item() in EOS_IDS:  # it went into the cache ahead: take it out (a KV cache
-            cache[:] = before        # would ignore it; a recurrent state has absorbed it)
+            dtype = str(logits.dtype).split(".")[-1]  # float16, not mlx.core.float16
+            raise FloatingPointError(f"the logits for token {pos - first + 1} are not finite (NaN "
+                                     f"or inf) in {dtype}: the activations overflow it; compute "
+                                     "in float32")
+        if token.item() in EOS_IDS:
+            cache[:] = before
             return
         yield token.item()
         token, finite = upcoming
 
+# ═══ Part II — what the article leaves out: quantised weights, Qwen3.5, and what comes next ═══
 # ═══ Quantised weights — a number in 4 or 8 bits, a scale and a bias for each group of 64 ═══
 def dequantize(packed, scales, biases, bits):
     """MLX's affine quantisation undone: a row of packed (uint32) is a little-endian stream of
@@ -251,8 +289,6 @@ def embed_quantized(ids):  # a quantised embedding: only the rows the ids pick a
     return dequantize(*rows, rows[0].shape[-1] * 32 // D)             # (L, 1024)
 
 # ═══ Qwen3.5 — hybrid attention: 3 layers in 4 keep compressed notes, the 4th its full memory ═══
-QWEN35 = {}  # load() sets it for Qwen3.5: QWEN35_CONFIG's entries (0.8B's values in comments)
-
 def qwen35_attention(x, layer_idx, cache, start, visible):  # the layer's kind, in layer_types
     if QWEN35["layer_types"][layer_idx] == "linear_attention":        # 18 of 0.8B's 24 layers
         return gated_delta_net(x, layer_idx, cache, start)
@@ -262,11 +298,11 @@ def gated_attention(x, layer_idx, cache, start, visible):
     """Step 5's attention, three things changed: q_proj also gives each head a gate, RoPE turns
     only the first quarter of each head, and the heads' output is scaled by sigmoid(gate)."""
     p, L = f"model.layers.{layer_idx}.self_attn.", x.shape[0]
-    r = int(HEAD_DIM * QWEN35["partial_rotary_factor"])               # 64 of 256 dimensions
-    q = linear(x, p + "q_proj").reshape(L, N_HEADS, 2 * HEAD_DIM)     # (L, 8, 512) q, then gate
-    q, gate = q[..., :HEAD_DIM], q[..., HEAD_DIM:]                    # (L, 8, 256) each
-    k = linear(x, p + "k_proj").reshape(L, N_KV, HEAD_DIM)            # (L, 2, 256)
-    v = linear(x, p + "v_proj").reshape(L, N_KV, HEAD_DIM)            # (L, 2, 256)
+    r = int(D_HEAD * QWEN35["partial_rotary_factor"])               # 64 of 256 dimensions
+    q = linear(x, p + "q_proj").reshape(L, N_HEADS, 2 * D_HEAD)     # (L, 8, 512) q, then gate
+    q, gate = q[..., :D_HEAD], q[..., D_HEAD:]                    # (L, 8, 256) each
+    k = linear(x, p + "k_proj").reshape(L, N_KV, D_HEAD)            # (L, 2, 256)
+    v = linear(x, p + "v_proj").reshape(L, N_KV, D_HEAD)            # (L, 2, 256)
     q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm, as in Step 5
     k = rms_norm(k, W[p + "k_norm.weight"], EPS)
     rope = rope_tables(mx.arange(start, start + L), x.dtype, r)       # (L, 1, 64) each
@@ -276,39 +312,53 @@ def gated_attention(x, layer_idx, cache, start, visible):
     out = attend(q, keys, values, visible)                            # (L, 2048)
     return linear(out * mx.sigmoid(gate.reshape(L, -1)), p + "o_proj")  # (L, 1024)
 
+def l2_norm(x, eps=1e-6):  # x (..., n) -> x / |x| along the last axis, length 1; in float32
+    x32 = x.astype(mx.float32)
+    return x32 * mx.rsqrt(mx.sum(x32 * x32, axis=-1, keepdims=True) + eps)
+
+def softplus(a):  # log(1 + e^a): a smooth max(a, 0), always more than 0
+    return mx.logaddexp(a, 0)
+
 def gated_delta_net(x, layer_idx, cache, start):
-    """x: (L, D) -> (L, D): attention whose memory has a fixed size, a state S (dk, dv) per value
-    head in place of keys and values that grow. Each token: forget (S *= decay), recall what S
-    holds for its key (k S), move that towards its value (S += k^T beta (v - k S)), read (q S)."""
+    """x: (L, D) -> (L, D): the article's "compressed notes". In place of keys and values that grow
+    with every token, each value head keeps one fixed-size matrix, its state S (dk, dv), that
+    stores values under keys. Each token: forget a little (S *= decay), recall what S holds for
+    its key (k S), move that towards its value (S += k^T beta (v - k S)), read with its query
+    (q S)."""
     p, L = f"model.layers.{layer_idx}.linear_attn.", x.shape[0]
     hk, hv = QWEN35["linear_num_key_heads"], QWEN35["linear_num_value_heads"]        # 16, 16
     dk, dv = QWEN35["linear_key_head_dim"], QWEN35["linear_value_head_dim"]          # 128, 128
-    K = QWEN35["linear_conv_kernel_dim"]                                             # 4
+    width = QWEN35["linear_conv_kernel_dim"]                          # 4 tokens: the convolution's
     qkv = linear(x, p + "in_proj_qkv")                                # (L, 6144) q, k, v
     z = linear(x, p + "in_proj_z").reshape(L, hv, dv)                 # (L, 16, 128) output gate
     beta = mx.sigmoid(linear(x, p + "in_proj_b"))                     # (L, 16) write strength 0..1
-    a = linear(x, p + "in_proj_a") + W[p + "dt_bias"]                 # (L, 16)
-    decay = mx.exp(-mx.exp(W[p + "A_log"]) * mx.logaddexp(a, 0))      # (L, 16) e^(-A softplus(a))
+    step = softplus(linear(x, p + "in_proj_a") + W[p + "dt_bias"])    # (L, 16) more than 0
+    # decay: how much of S each token keeps, in 0..1 per head; a larger step forgets more, at a
+    # rate A = exp(A_log) that each head learned.
+    decay = mx.exp(-mx.exp(W[p + "A_log"]) * step)                    # (L, 16)
     if start == 0 or cache[layer_idx] is None:                        # nothing remembered yet
-        cache[layer_idx] = (mx.zeros((K - 1, qkv.shape[1]), x.dtype), mx.zeros((hv, dk, dv)))
+        cache[layer_idx] = (mx.zeros((width - 1, qkv.shape[1]), x.dtype), mx.zeros((hv, dk, dv)))
     conv_state, state = cache[layer_idx]                              # (3, 6144), (16, 128, 128)
+    # A short convolution first: each of the 6144 channels becomes a weighted sum of its value at
+    # this token and at the 3 before it (4 learned weights a channel), so that a key carries a
+    # little of its neighbours. conv_state keeps the last 3 tokens' inputs for the next call.
     window = mx.concatenate([conv_state, qkv])                        # (3 + L, 6144)
     conv = W[p + "conv1d.weight"]                                     # (6144, 4) a filter each
-    qkv = sum(window[j:j + L] * conv[:, j] for j in range(K))         # (L, 6144) each channel
-    qkv = qkv * mx.sigmoid(qkv)                                       # mixes its last 4; silu
+    qkv = sum(window[j:j + L] * conv[:, j] for j in range(width))     # (L, 6144)
+    qkv = qkv * mx.sigmoid(qkv)                                       # (L, 6144) SiLU
     q, k, v = mx.split(qkv, [hk * dk, 2 * hk * dk], axis=-1)
-    # L2 norm: rms_norm(x) = sqrt(dk) x / |x|; q also takes attention's 1 / sqrt(dk)
-    q = rms_norm(q.reshape(L, hk, dk), 1.0, 1e-6 / dk) / dk           # (L, 16, 128)
-    k = rms_norm(k.reshape(L, hk, dk), 1.0, 1e-6 / dk) / dk ** 0.5    # (L, 16, 128) |k| = 1
+    q = l2_norm(q.reshape(L, hk, dk)) / math.sqrt(dk)                 # (L, 16, 128) and attention's
+    k = l2_norm(k.reshape(L, hk, dk))                                 # (L, 16, 128) 1 / sqrt(dk)
     q = mx.repeat(q, hv // hk, axis=1)                                # (L, 16, 128) value head h
     k = mx.repeat(k, hv // hk, axis=1)                                # reads key head h // (hv/hk)
     v, out = v.reshape(L, hv, dv), []                                 # (L, 16, 128)
     for t in range(L):                                                # token after token
         state, y = delta_step(state, q[t], k[t], v[t], decay[t], beta[t])  # y: (16, 128)
         out.append(y)
-    cache[layer_idx] = (window[-(K - 1):], state)                     # the last 3 inputs, and S
+    cache[layer_idx] = (window[-(width - 1):], state)                 # the last 3 inputs, and S
     y = rms_norm(mx.stack(out).astype(x.dtype), W[p + "norm.weight"], EPS)  # (L, 16, 128)
-    y = swiglu(z.astype(mx.float32), y.astype(mx.float32))            # y * silu(z): gated
+    gate = z.astype(mx.float32)                                       # the output gate:
+    y = y.astype(mx.float32) * (gate * mx.sigmoid(gate))              # (L, 16, 128) y * silu(z)
     return linear(y.astype(x.dtype).reshape(L, -1), p + "out_proj")   # (L, 1024)
 
 @mx.compile
@@ -320,64 +370,26 @@ def delta_step(state, q, k, v, decay, beta):
     state = state + k[:, :, None] * (beta[:, None] * (v - recalled))[:, None, :]  # towards v
     return state, (q[:, None, :] @ state)[:, 0]                       # (H, dv) q S
 
-QWEN35_CONFIG = {  # Qwen3.5's own config.json entries (in its text_config) -> their kind
-    "layer_types": "layers", "linear_num_key_heads": "count", "linear_num_value_heads": "count",
-    "linear_key_head_dim": "count", "linear_value_head_dim": "count",
-    "linear_conv_kernel_dim": "count", "partial_rotary_factor": "positive"}
+# ═══ Part III — what serves it all: file checks, download, chat, the command line ═══
+import argparse, hashlib, os, re, shutil, signal, sys, time  # noqa: E401,E402 (the stdlib)
+from tokenizers.decoders import DecodeStream  # noqa: E402
+from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokenizers)
 
-def qwen35_config(cfg, path):
-    """Qwen3.5's entries, checked together -> QWEN35 (for Qwen3: {})."""
-    if cfg["model_type"] != "qwen3_5":
-        return {}
-    rope_dims = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
-    if len(cfg["layer_types"]) != cfg["num_hidden_layers"]:
-        raise UserError(f"{path}: layer_types must name each of the num_hidden_layers layers")
-    if cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"]:
-        raise UserError(f"{path}: linear_num_value_heads must be a multiple of "
-                        "linear_num_key_heads")
-    if rope_dims % 2 or not 0 < rope_dims <= cfg["head_dim"]:
-        raise UserError(f"{path}: head_dim x partial_rotary_factor must be even, at most head_dim")
-    return {name: cfg[name] for name in QWEN35_CONFIG}
-
-def qwen35_weights(weights):
-    """Hugging Face's checkpoint (its convolution (C, 1, K)) stores five norms as offsets from 1,
-    not the DeltaNet's: they become gains, 1 added in the stored dtype, before any --dtype, as
-    mlx-lm does (transformers adds it in float32: on bfloat16 weights the two differ by one
-    rounding of each gain, a few 1e-2 in the logits). mlx-lm's conversions (C, K, 1) hold gains."""
-    hf = any(name.endswith("conv1d.weight") and w.shape[1] == 1 for name, w in weights.items())
-    offsets = ("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight")
-    for name, w in weights.items():
-        if name.endswith("conv1d.weight"):
-            weights[name] = w.reshape(w.shape[0], -1)                 # (C, K)
-        elif hf and name.endswith(offsets):
-            weights[name] = w + 1
-    return weights
-
-def qwen35_shapes(cfg, i, layer):
-    """Layer i's tensors -> their shapes, from a Qwen3 layer's: norms and mlp the same; Step 5's
-    attention with q_proj twice as tall (q and a gate), or the DeltaNet's."""
-    d, c = cfg["hidden_size"], cfg["qwen35"]
-    if c["layer_types"][i] == "full_attention":
-        q = layer["self_attn.q_proj.weight"][0]
-        return {**layer, "self_attn.q_proj.weight": (2 * q, d)}
-    keys = c["linear_num_key_heads"] * c["linear_key_head_dim"]        # 2048
-    values = c["linear_num_value_heads"] * c["linear_value_head_dim"]  # 2048
-    heads, a = (c["linear_num_value_heads"],), "linear_attn."
-    layer = {name: shape for name, shape in layer.items() if not name.startswith("self_attn")}
-    return {**layer, a + "in_proj_qkv.weight": (2 * keys + values, d),
-            a + "in_proj_z.weight": (values, d), a + "in_proj_b.weight": (*heads, d),
-            a + "in_proj_a.weight": (*heads, d), a + "dt_bias": heads, a + "A_log": heads,
-            a + "conv1d.weight": (2 * keys + values, c["linear_conv_kernel_dim"]),
-            a + "norm.weight": (c["linear_value_head_dim"],), a + "out_proj.weight": (d, values)}
-
-# ═══ After generate(): serving the model — errors, file checks, download, chat, command line ═══
 class UserError(Exception):
     """The user's flags, files or numbers: printed as one line; exit status 1 (130: interrupted)."""
     def __init__(self, message, status=1):
         super().__init__(message)
         self.status = status
 
-HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
+def load_checked(model_dir, dtype=None):
+    """load() with every check: each file, config entry and tensor the model uses, before any of
+    it runs (a broken one raises UserError). Fills the same names, through use(). -> the config"""
+    cfg = read_configs(model_dir)  # config.json, generation_config.json: CONFIG's entries
+    weights = read_weights(model_dir, cfg, dtype)  # each tensor the model uses, of its right shape
+    return use(cfg, weights, read_tokenizer(model_dir, cfg))  # every id a row of the embedding
+
+HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"  # the default folder: beside
+# the script (the article's is ./Qwen3-0.6B/ from wherever it is started), and where it comes from
 FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "model.safetensors"]
 
@@ -419,6 +431,11 @@ CONFIG = {  # each config.json entry that load() reads -> the kind of value it m
     "vocab_size": "count", "max_position_embeddings": "count", "head_dim": "even",
     "rms_norm_eps": "positive", "rope_theta": "positive", "tie_word_embeddings": "bool",
     "eos_token_id": "ids", "quantization": "quantization"}
+QWEN35_CONFIG = {  # Qwen3.5's own config.json entries (in its text_config) -> their kind
+    "layer_types": "layers", "linear_num_key_heads": "count", "linear_num_value_heads": "count",
+    "linear_key_head_dim": "count", "linear_value_head_dim": "count",
+    "linear_conv_kernel_dim": "count", "partial_rotary_factor": "positive"}
+
 UNSUPPORTED = {  # config.json entries that change the math -> (the value computed here, else what)
     "rope_scaling": (None, "a scaled RoPE (YaRN and its kin)"),
     "attention_bias": (False, "biases in the attention projections"),
@@ -437,9 +454,6 @@ def fits(value, kind):
             "layers": isinstance(value, list)
             and all(layer in ("linear_attention", "full_attention") for layer in value),
             "model": value in ("qwen3", "qwen3_5")}[kind]
-
-def as_list(ids):  # an EOS entry: an id, a list of them, or null
-    return ids if isinstance(ids, list) else [ids]
 
 def read_configs(model_dir):
     """config.json's CONFIG entries, checked, and "eos_ids": its and generation_config.json's."""
@@ -556,6 +570,51 @@ def checked_shapes(weights, cfg, folder):
             raise UserError(f"tensor {name} has shape {weights[name].shape} in {folder}; "
                             f"expected shape {shape}")
     return {name: weights[name] for name in shapes}  # what is never used is dropped
+
+def qwen35_config(cfg, path):
+    """Qwen3.5's entries, checked together -> QWEN35 (for Qwen3: {})."""
+    if cfg["model_type"] != "qwen3_5":
+        return {}
+    rope_dims = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
+    if len(cfg["layer_types"]) != cfg["num_hidden_layers"]:
+        raise UserError(f"{path}: layer_types must name each of the num_hidden_layers layers")
+    if cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"]:
+        raise UserError(f"{path}: linear_num_value_heads must be a multiple of "
+                        "linear_num_key_heads")
+    if rope_dims % 2 or not 0 < rope_dims <= cfg["head_dim"]:
+        raise UserError(f"{path}: head_dim x partial_rotary_factor must be even, at most head_dim")
+    return {name: cfg[name] for name in QWEN35_CONFIG}
+
+def qwen35_weights(weights):
+    """Hugging Face's checkpoint (its convolution (C, 1, K)) stores five norms as offsets from 1,
+    not the DeltaNet's: they become gains, 1 added in the stored dtype, before any --dtype, as
+    mlx-lm does (transformers adds it in float32: on bfloat16 weights the two differ by one
+    rounding of each gain, a few 1e-2 in the logits). mlx-lm's conversions (C, K, 1) hold gains."""
+    hf = any(name.endswith("conv1d.weight") and w.shape[1] == 1 for name, w in weights.items())
+    offsets = ("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight")
+    for name, w in weights.items():
+        if name.endswith("conv1d.weight"):
+            weights[name] = w.reshape(w.shape[0], -1)                 # (C, K)
+        elif hf and name.endswith(offsets):
+            weights[name] = w + 1
+    return weights
+
+def qwen35_shapes(cfg, i, layer):
+    """Layer i's tensors -> their shapes, from a Qwen3 layer's: norms and mlp the same; Step 5's
+    attention with q_proj twice as tall (q and a gate), or the DeltaNet's."""
+    d, c = cfg["hidden_size"], cfg["qwen35"]
+    if c["layer_types"][i] == "full_attention":
+        q = layer["self_attn.q_proj.weight"][0]
+        return {**layer, "self_attn.q_proj.weight": (2 * q, d)}
+    keys = c["linear_num_key_heads"] * c["linear_key_head_dim"]        # 2048
+    values = c["linear_num_value_heads"] * c["linear_value_head_dim"]  # 2048
+    heads, a = (c["linear_num_value_heads"],), "linear_attn."
+    layer = {name: shape for name, shape in layer.items() if not name.startswith("self_attn")}
+    return {**layer, a + "in_proj_qkv.weight": (2 * keys + values, d),
+            a + "in_proj_z.weight": (values, d), a + "in_proj_b.weight": (*heads, d),
+            a + "in_proj_a.weight": (*heads, d), a + "dt_bias": heads, a + "A_log": heads,
+            a + "conv1d.weight": (2 * keys + values, c["linear_conv_kernel_dim"]),
+            a + "norm.weight": (c["linear_value_head_dim"],), a + "out_proj.weight": (d, values)}
 
 def read_tokenizer(model_dir, cfg):
     """tokenizer.json, every id of which (added tokens too) is a row of the embedding table."""
@@ -878,7 +937,7 @@ def main(argv=None):
     if args.seed is not None:
         mx.random.seed(args.seed)
     folder = model_folder(args.model)
-    cfg = load(folder, args.dtype and getattr(mx, args.dtype))
+    cfg = load_checked(folder, args.dtype and getattr(mx, args.dtype))
     for tag in ("<|im_start|>", "<|im_end|>"):
         if args.chat and len(tokenize(tag)) != 1:  # a base model's tokenizer spells them out
             raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
@@ -894,7 +953,7 @@ def main(argv=None):
         name = (f"Qwen3.5 from {folder} (text only: its vision tower and multi-token "
                 "prediction are not run)")
         layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
-    print(f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {HEAD_DIM}, "
+    print(f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
           f"{size}, {dtype_name(W['model.norm.weight'].dtype)}")
     if args.chat and text is None:
         converse(args)
@@ -912,3 +971,6 @@ if __name__ == "__main__":
     except UserError as e:  # the user's flags, files or numbers: one line; a bug, its traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.status)
+    except FloatingPointError as e:  # generate()'s: the logits overflowed the dtype
+        print(f"error: {e} (--dtype float32)", file=sys.stderr)
+        sys.exit(1)

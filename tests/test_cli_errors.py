@@ -369,7 +369,7 @@ def test_file_that_cannot_be_read_in_process(broken, monkeypatch):
         raise PermissionError(13, "Permission denied", str(path))
     monkeypatch.setattr(li, "open", refuse, raising=False)
     with pytest.raises(li.UserError, match=f"{broken / 'config.json'} cannot be read: permission denied$"):
-        li.load(broken)
+        li.load_checked(broken)
 
 
 @pytest.mark.parametrize("flag", [["--system", "Be brief."], ["--no-think"]])

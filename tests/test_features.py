@@ -227,7 +227,7 @@ def test_kv_cache_positions_and_bytes(checkpoint, tokenizer, capsys, stop):
         assert rel_err(values[:, :held], ref_values[:, :held]) < 1e-5
         if stop == "max_tokens":
             assert not mx.any(keys[:, held]).item()                       # nothing after it
-    per_position = li.N_LAYERS * 2 * li.N_KV * li.HEAD_DIM * 4
+    per_position = li.N_LAYERS * 2 * li.N_KV * li.D_HEAD * 4
     assert li.cache_bytes(cache, held) == held * per_position
     assert li.cache_bytes(cache) == sum(k.nbytes + v.nbytes for k, v in cache) == 256 * per_position
     shown = capsys.readouterr().out

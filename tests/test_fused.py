@@ -80,17 +80,17 @@ def test_apply_rope_equals_mx_fast(checkpoint, start, L):
     1e-5 there), so 1e-4. bfloat16: ours rounds cos and sin to bfloat16 and then each product
     and the sum: ours no further from the float32 answer than 4x mx.fast's own error, or than
     BF16_BUDGET."""
-    li.load(checkpoint())  # HEAD_DIM 32, THETA 1e6
+    li.load(checkpoint())  # D_HEAD 32, THETA 1e6
     positions = mx.arange(start, start + L)
     for dtype in (mx.float32, mx.bfloat16):
-        x = normal((4, L, li.HEAD_DIM), 1.0, dtype, 2)                # heads first, as mx.fast's
+        x = normal((4, L, li.D_HEAD), 1.0, dtype, 2)                # heads first, as mx.fast's
         ours = li.apply_rope(x.swapaxes(0, 1), *li.rope_tables(positions, dtype)).swapaxes(0, 1)
-        fast = mx.fast.rope(x, li.HEAD_DIM, traditional=False, base=li.THETA, scale=1.0, offset=start)
+        fast = mx.fast.rope(x, li.D_HEAD, traditional=False, base=li.THETA, scale=1.0, offset=start)
         assert ours.dtype == fast.dtype == dtype
         if dtype == mx.float32:
             assert rel_err(ours, fast) < 1e-4
         else:
-            exact = mx.fast.rope(x.astype(mx.float32), li.HEAD_DIM, traditional=False, base=li.THETA,
+            exact = mx.fast.rope(x.astype(mx.float32), li.D_HEAD, traditional=False, base=li.THETA,
                                  scale=1.0, offset=start)
             print(f"start {start}: error ours {rel_err(ours, exact):.3e}, mx.fast {rel_err(fast, exact):.3e}")
             assert rel_err(ours, exact) <= max(4 * rel_err(fast, exact), BF16_BUDGET)
@@ -154,4 +154,4 @@ def test_second_model_never_computes_with_the_first_ones_constants(checkpoint, t
         ours = li.forward(ids, [None] * li.N_LAYERS, 0)
         assert rel_err(ours, mlx_lm_logits(folder, ids)) < 1e-4
     li.load(b)
-    assert li.EPS == 1e-2 and li.THETA == 1e4 and li.HEAD_DIM == 16
+    assert li.EPS == 1e-2 and li.THETA == 1e4 and li.D_HEAD == 16

@@ -97,7 +97,7 @@ def test_decode_steps_with_cache_equal_full_forward(checkpoint, tokenizer):
     for pos in range(5, len(ids)):                                    # then one token at a time
         rows.append(li.forward([ids[pos]], cache, pos))
     assert rel_err(mx.concatenate(rows), full) < 1e-5
-    assert cache[0][0].shape == (li.N_KV, 256, li.HEAD_DIM)  # a buffer: room for 256 positions
+    assert cache[0][0].shape == (li.N_KV, 256, li.D_HEAD)  # a buffer: room for 256 positions
 
 
 @pytest.mark.parametrize("steps", [[255, 1, 1], [256, 1, 1], [257, 1], [250, 12, 1], [3, 300, 2, 1],
@@ -224,11 +224,14 @@ def test_generation_stops_on_any_eos_id(checkpoint, tokenizer, where):
     assert list(li.generate(ids, max_tokens=12)) == free_run[:k]
 
 
-def test_load_reads_every_constant_from_config(checkpoint):
-    cfg = li.load(checkpoint(num_hidden_layers=2, head_dim=16, num_key_value_heads=1))
-    assert (li.N_LAYERS, li.HEAD_DIM, li.N_KV, li.N_HEADS, li.D) == (2, 16, 1, 4, 64)
+@pytest.mark.parametrize("load", ["load", "load_checked"])
+def test_load_reads_every_constant_from_config(checkpoint, load):
+    """Part I's plain load() and Part III's load_checked() fill the same names."""
+    cfg = getattr(li, load)(checkpoint(num_hidden_layers=2, head_dim=16, num_key_value_heads=1,
+                                       eos_extra=[7]))
+    assert (li.N_LAYERS, li.D_HEAD, li.N_KV, li.N_HEADS, li.D) == (2, 16, 1, 4, 64)
     assert li.THETA == 1e6 and li.EPS == 1e-6 and li.MAX_POS == 2048
-    assert cfg["model_type"] == "qwen3"
+    assert cfg["model_type"] == "qwen3" and 7 in li.EOS_IDS and len(li.EOS_IDS) == 3
 
 
 def test_load_rejects_wrong_shape(checkpoint, tmp_path):
@@ -238,11 +241,11 @@ def test_load_rejects_wrong_shape(checkpoint, tmp_path):
     w["model.layers.1.mlp.up_proj.weight"] = mx.zeros((3, 64))
     mx.save_safetensors(str(folder / "model.safetensors"), w)
     with pytest.raises(li.UserError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(160, 64\)"):
-        li.load(folder)
+        li.load_checked(folder)
     del w["model.layers.1.mlp.up_proj.weight"]
     mx.save_safetensors(str(folder / "model.safetensors"), w)
     with pytest.raises(li.UserError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing"):
-        li.load(folder)
+        li.load_checked(folder)
 
 
 def test_import_loads_nothing():
@@ -326,26 +329,33 @@ def test_the_articles_calls(checkpoint, tokenizer):
     assert li.sample(logits, temperature=1e-30, top_p=0.5).item() == mx.argmax(logits[-1]).item()
 
 
-def test_generation_stops_where_the_logits_stop_being_finite(checkpoint, tokenizer, monkeypatch):
-    """From the step whose logits hold NaN or inf (an overflow: wrapped here around forward()),
-    generate() raises one UserError naming the token and the dtype, after the ids before it."""
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("call, token", [(2, 1), (4, 3)])
+def test_generation_stops_where_a_logit_stops_being_finite(checkpoint, tokenizer, monkeypatch,
+                                                           call, token, bad):
+    """One logit of one step NaN or inf (an overflow, made here by wrapping forward()): generate(),
+    called from Python, raises FloatingPointError naming the token and the dtype, after yielding
+    the ids before it. prefill() makes 2 calls for this prompt: the 2nd gives token 1's logits,
+    then each token's call the next one's (the 4th: token 3's)."""
     li.load(checkpoint())
     ids = tokenizer.encode("The capital of France is").ids
     good = list(li.generate(ids, max_tokens=6))
     forward, calls = li.forward, []
 
-    def overflowing(*args, **kwargs):  # prefill makes 2 calls, then one per token: the 4th
-        calls.append(1)                # gives token 3's logits
-        logits = forward(*args, **kwargs)
-        return logits * mx.nan if len(calls) == 4 else logits
+    def overflowing(*args, **kwargs):
+        calls.append(1)
+        logits = forward(*args, **kwargs)                              # (L, vocab)
+        if len(calls) != call:
+            return logits
+        return logits + mx.where(mx.arange(logits.shape[-1]) == 3, bad, 0.0)  # one logit a row
 
     monkeypatch.setattr(li, "forward", overflowing)
     shown = []
-    with pytest.raises(li.UserError, match=r"^the logits for token 3 are not finite \(NaN or inf\) "
-                       r"in float32: the activations overflow it"):
-        for token in li.generate(ids, max_tokens=6):
-            shown.append(token)
-    assert shown == good[:2]
+    with pytest.raises(FloatingPointError, match=rf"^the logits for token {token} are not finite "
+                       r"\(NaN or inf\) in float32: the activations overflow it; compute in float32$"):
+        for t in li.generate(ids, max_tokens=6):
+            shown.append(t)
+    assert shown == good[:token - 1]
 
 
 def test_rms_norm_uses_the_eps_it_is_given(checkpoint):
@@ -363,5 +373,5 @@ def test_tokenizer_with_an_id_equal_to_vocab_size(checkpoint, tokenizer):
     """ids are 0..vocab_size-1: a largest id equal to vocab_size is one past the table."""
     top = tokenizer.get_vocab_size(with_added_tokens=True) - 1
     with pytest.raises(li.UserError, match=f"has ids up to {top}, past the {top} rows"):
-        li.load(checkpoint(vocab_size=top))
-    li.load(checkpoint(vocab_size=top + 1))
+        li.load_checked(checkpoint(vocab_size=top))
+    li.load_checked(checkpoint(vocab_size=top + 1))

@@ -1,0 +1,75 @@
+"""Part I stands alone: its source, from the top of llm_inference.py to Part II's banner, executed
+by itself in a fresh interpreter (as a notebook cell would run it), loads a dense Qwen3 folder and
+produces exactly the tokens the whole file produces through the command line's checked loading."""
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+import llm_inference as li
+
+PROMPT = "The capital of France is"
+# Runs in a fresh interpreter: Part I's text alone, then the article's calls on it.
+DRIVER = r"""
+import json, sys
+source = open(sys.argv[1], encoding="utf-8").read()
+part_one = source[:source.index("\n# ═══ Part II")]
+names = {"__name__": "__main__"}
+exec(compile(part_one, "part_one", "exec"), names)
+folder, dtype, prompt = sys.argv[2], sys.argv[3], sys.argv[4]
+mx = names["mx"]
+names["load"](folder, getattr(mx, dtype) if dtype != "none" else None)
+tokenize, generate = names["tokenize"], names["generate"]
+greedy = list(generate(tokenize(prompt), max_tokens=12))
+mx.random.seed(7)
+sampled = list(generate(tokenize(prompt), max_tokens=12, temperature=1.0, top_p=0.9))
+x = mx.ones((2, names["D"]))
+print(json.dumps({"greedy": greedy, "sampled": sampled, "text": names["TOK"].decode(greedy),
+                  "rms_norm": names["rms_norm"](x, mx.ones(names["D"])).tolist()[0][:2],
+                  "sample": names["sample"](mx.array([[0.0, 1.0, 3.0]])).item()}))
+"""
+
+
+def part_one_alone(folder, dtype):
+    out = subprocess.run([sys.executable, "-c", DRIVER, li.__file__, str(folder), dtype, PROMPT],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("options, dtype", [({}, "none"), ({"lm_head": "tied"}, "none"),
+                                            ({"dtype": "bfloat16", "lm_head": "tied_stored"},
+                                             "none"),
+                                            ({"dtype": "bfloat16", "shards": 2}, "float32")])
+def test_part_one_alone_gives_the_whole_files_tokens(checkpoint, options, dtype):
+    folder = checkpoint(**options)
+    alone = part_one_alone(folder, dtype)
+    li.load_checked(folder, None if dtype == "none" else getattr(mx, dtype))  # Part III's loading
+    ids = li.tokenize(PROMPT)
+    assert alone["greedy"] == list(li.generate(ids, max_tokens=12)) and len(alone["greedy"]) > 0
+    mx.random.seed(7)
+    assert alone["sampled"] == list(li.generate(ids, max_tokens=12, temperature=1.0, top_p=0.9))
+    assert alone["text"] == li.TOK.decode(alone["greedy"])
+    assert alone["rms_norm"] == pytest.approx([1.0, 1.0], abs=1e-5)  # the article's rms_norm(x, w)
+    assert alone["sample"] == 2                                      # and its sample(logits)
+
+
+def test_part_one_is_what_its_banner_says():
+    """The three banners stand, in order; Part I defines the constants with Qwen3-0.6B's values."""
+    lines = open(li.__file__, encoding="utf-8").read().splitlines()
+    banners = [i for i, line in enumerate(lines) if line.startswith("# ═══ Part ")]
+    assert [lines[i].split()[3] for i in banners] == ["I", "II", "III"]
+    fresh = {}
+    exec(compile("\n".join(lines[:banners[1]]), "part_one", "exec"), fresh)
+    assert (fresh["D"], fresh["N_LAYERS"], fresh["N_HEADS"], fresh["N_KV"], fresh["D_HEAD"]) == \
+        (1024, 28, 16, 8, 128)
+    assert (fresh["EPS"], fresh["THETA"], fresh["MAX_POS"]) == (1e-6, 1e6, 40960)
+
+
+def test_the_articles_apply_rope_call_says_ours(checkpoint):
+    li.load(checkpoint())
+    q = mx.ones((3, li.N_HEADS, li.D_HEAD))
+    with pytest.raises(TypeError, match=r"apply_rope\(q, \*rope_tables\(positions, dt\)\)"):
+        li.apply_rope(q, q, [0, 1, 2])
