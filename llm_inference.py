@@ -371,7 +371,7 @@ def delta_step(state, q, k, v, decay, beta):
     return state, (q[:, None, :] @ state)[:, 0]                       # (H, dv) q S
 
 # ═══ Part III — what serves it all: file checks, download, chat, the command line ═══
-import argparse, hashlib, os, re, shutil, signal, sys, time  # noqa: E401,E402 (the stdlib)
+import argparse, errno, os, re, shlex, shutil, signal, socket, sys, time, warnings  # noqa
 from tokenizers.decoders import DecodeStream  # noqa: E402
 from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokenizers)
 
@@ -396,14 +396,14 @@ FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_c
 def read_file(path, parse, what):
     """parse(path) -> what it returns; a file missing, unreadable or broken raises UserError."""
     path = Path(path)
-    if path.is_symlink() and not path.exists():  # a Hugging Face cache whose blob was deleted
-        raise UserError(f"{path} is a broken link to {os.readlink(path)}: download it again")
-    if path.parent.is_file():
-        raise UserError(f"{path.parent} is a file, not a folder (a model is a folder)")
-    if not path.exists():
-        raise UserError(f"{path.parent} lacks {path.name}")
     try:
-        open(path, "rb").close()  # a folder, or a file this user may not read?
+        open(path, "rb").close()  # missing, a folder, or a file this user may not read?
+    except FileNotFoundError:
+        if path.is_symlink():  # a Hugging Face cache whose blob was deleted
+            raise UserError(f"{path} is a broken link to {os.readlink(path)}: download it again")
+        raise UserError(f"{path.parent} lacks {path.name}") from None
+    except NotADirectoryError:
+        raise UserError(f"{path.parent} is a file, not a folder (a model is a folder)") from None
     except OSError as e:
         raise UserError(f"{path} cannot be read: {(e.strerror or str(e)).lower()}") from None
     try:
@@ -634,115 +634,174 @@ def not_finite(where, dtype):  # the weights are finite (load checks them): the 
                      "activations overflow it; compute in float32 (--dtype float32)")
 
 def model_folder(model):
-    """--model -> the folder to load. A local folder as it is (load() names what it lacks); the
-    default folder while it lacks a file, and a repo id not whole in the Hugging Face cache, are
-    downloaded first. A second run asks nothing of the Hub."""
+    """--model -> the folder to load. A local folder as it is (load_checked() names what it lacks);
+    the default folder while it lacks a file, and a repo id not whole in the Hugging Face cache,
+    are downloaded first. A second run asks nothing of the Hub."""
     path = Path(model).resolve()
+    if path.is_file():
+        raise UserError(f"{path} is a file, not a folder (a model is a folder)")
     if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # a folder, not a repo id
         if path != HERE / "Qwen3-0.6B" or all((path / name).exists() for name in FILES):
             return path
         return download(REPO, path, FILES)
-    from huggingface_hub import snapshot_download  # installed with tokenizers
-    try:  # a repo id already whole in the cache is read from there
-        folder = Path(snapshot_download(model, local_files_only=True))
-        needed = [folder / "config.json", folder / "tokenizer.json", *weight_files(folder)]
-        if all(file.exists() for file in needed):
-            return folder
-    except Exception:  # not in the cache, or only in part: download() says what goes wrong
-        pass
-    return download(model, None)
+    return cached_folder(model) or download(model, None)
+
+def cached_folder(repo):
+    """A repo id's folder in the Hugging Face cache if it holds what load_checked() reads, however
+    it came there (this script, or the hand command); else None. Asks the Hub nothing."""
+    from huggingface_hub import try_to_load_from_cache
+    config = try_to_load_from_cache(repo, "config.json")  # its path, or a mark that it is not
+    if not isinstance(config, str):
+        return None
+    folder = Path(config).parent
+    needed = [folder / "tokenizer.json", *weight_files(folder)]
+    return folder if all(file.exists() for file in needed) else None
 
 def download(repo, local_dir, names=None):
-    """Fetch what is missing of repo's files (names, else the configs, tokenizer and weights the Hub
-    lists) into local_dir (None: the Hugging Face cache), one at a time, shown by Progress; each
-    fetched now is checked against the hash the Hub announced for it. -> the folder."""
-    from huggingface_hub import HfApi, hf_hub_download, logging
+    """Fetch what is missing of repo's files into local_dir (None: the Hugging Face cache): names,
+    else its configs, template and the weights its index names; one at a time, each shown by
+    Progress, then all verified against the Hub's checksums. -> the folder"""
+    from huggingface_hub import HfApi, logging
     logging.set_verbosity_error()  # its warnings and retries: our lines say what happened
+    warnings.filterwarnings("ignore", module="huggingface_hub")  # "not enough free disk space"
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: huggingface_hub tidies up
-    name = "the file list"
+    api, name, fetched = HfApi(), "the file list", {}
     try:
-        files = HfApi().model_info(repo, files_metadata=True).siblings  # sizes and hashes too
-        for name in set(names or []) - {file.rfilename for file in files}:
-            raise UserError(f"could not download {name} of {repo}: the Hub does not list it")
-        for file in files:
-            name = file.rfilename
-            if names and name not in names or not re.fullmatch(r"[^/]+\.(json|jinja|safetensors)",
-                                                               name):  # configs, template, weights
-                continue
-            path = Path(hf_hub_download(repo, name, local_dir=local_dir, tqdm_class=Progress))
-            if name in Progress.fetched:  # it came over the network now, not in an earlier run
-                check_hash(path, file)
+        names = list(names or files_to_fetch(api, repo))
+        for name in names:
+            path = present(repo, name, local_dir)
+            if path is None:
+                path = fetched[name] = fetch(repo, name, local_dir)
+            if name == "model.safetensors.index.json":  # a repo id's shards, as it names them
+                names += [file.name for file in weight_files(path.parent)]
+        name = "the checksums"
+        if fetched:
+            verify(api, repo, local_dir, fetched)
     except KeyboardInterrupt:
-        raise UserError("the download was interrupted; run the same command again to finish it",
-                        130) from None
-    except UserError:
-        raise
-    except Exception as e:  # the network, the Hub, the disk: say which file and what went wrong
-        raise UserError(f"could not download {name} of {repo}: {hub_trouble(e)}. By hand: "
-                        f"{hand_command(repo, local_dir, names)}") from None
+        got = human(PROGRESS[name].received) if name in PROGRESS else "none"
+        raise UserError(f"the download was interrupted during {name} ({got} of it fetched, "
+                        f"not kept); run the same command again: it fetches {name} again from the "
+                        "start and keeps the files already complete", 130) from None
+    except Exception as e:  # the Hub's, the network's or the disk's, else a bug: its traceback
+        why = download_trouble(e, name, local_dir)
+        if why is None:
+            raise
+        raise UserError(f"could not download {name} of {repo}: {why}. To fetch it by hand, run "
+                        f"this, then the same command again: {hand_command(repo, local_dir, names)}"
+                        ) from None
     finally:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for name, file in fetched.items():  # complete and verified
+        print(f"{name}: {human(file.stat().st_size)} downloaded", file=sys.stderr)
     return path.parent
 
+def present(repo, name, local_dir):  # a file there from an earlier run -> its path, else None
+    from huggingface_hub import try_to_load_from_cache
+    if local_dir is not None:
+        return local_dir / name if (local_dir / name).exists() else None
+    path = try_to_load_from_cache(repo, name)  # its path, or a mark that it is not there
+    return Path(path) if isinstance(path, str) else None
+
+def files_to_fetch(api, repo):
+    """A repo id's top-level configs and chat template, and its safetensors weights (the index,
+    whose shards are added once it is here, or the one file) -> their names."""
+    files = api.list_repo_files(repo)
+    names = [name for name in files if re.fullmatch(r"[^/]+\.(json|jinja)", name)]
+    if "model.safetensors.index.json" in names:
+        return names
+    if "model.safetensors" not in files:
+        shown = ", ".join(files) if len(files) < 8 else ", ".join(files[:7]) + ", ..."
+        raise UserError(f"{repo} has no model.safetensors: this script runs safetensors "
+                        f"checkpoints (the repo holds {shown})")
+    return names + ["model.safetensors"]
+
+PROGRESS = {}  # file name -> its Progress class, while this run fetches it
+
+def progress_of(name):
+    """The tqdm_class that shows one file (huggingface_hub makes one bar per try of the file)."""
+    return PROGRESS.setdefault(name, type("Progress", (Progress,), {"file": name, "received": 0}))
+
+def fetch(repo, name, local_dir, tries=3):
+    """One file, shown by its Progress; a connection reset mid-file is tried again from the
+    start (huggingface_hub resumes a closed or stalled one itself), up to tries times -> its path"""
+    from huggingface_hub import hf_hub_download
+    for attempt in range(1, tries + 1):
+        try:
+            return Path(hf_hub_download(repo, name, local_dir=local_dir,
+                                        tqdm_class=progress_of(name)))
+        except Exception as e:  # re-raised unless a reset with tries left
+            if attempt == tries or not any(isinstance(c, ConnectionResetError) for c in causes(e)):
+                raise
+            print(f"{name}: the connection was reset after {human(progress_of(name).received)} of "
+                  f"{human(progress_of(name).total)}; trying again ({attempt + 1} of {tries})",
+                  file=sys.stderr)
+
 class Progress(tqdm):
-    """How a download shows (huggingface_hub takes this as its tqdm_class): at a terminal, one
-    line per file redrawn in place (bytes so far / total, speed, time left), ended when complete;
-    otherwise one line per file, once complete. Xet's network bytes (update_transfer) not shown."""
-    fetched = set()  # the files that came over the network in this run
+    """huggingface_hub's tqdm_class for one file (progress_of() names it): at a terminal, one line
+    redrawn in place (bytes so far / total, speed, time left), cleared when the try ends;
+    download() says what became of the file. received: the bytes of its latest try."""
+    file, received, total = "", 0, 0
 
-    def __init__(self, *args, desc="", **kwargs):  # desc: a file name, or its URL
-        self.name = desc.split(": ")[0].split("/")[-1].replace("(…)", "")
-        Progress.fetched.add(self.name)
+    def __init__(self, *args, **kwargs):
+        kwargs.pop("name", None)  # some huggingface_hub versions name their logger to tqdm
         columns, lines = shutil.get_terminal_size()  # (80, 24) where a terminal has no size
-        kwargs.update(position=None, leave=True, file=sys.stderr, disable=not sys.stderr.isatty(),
-                      bar_format="{desc}: {n_fmt}B / {total_fmt}B, {rate_fmt}, {remaining} left",
-                      ncols=columns, nrows=lines)
-        super().__init__(*args, desc=self.name, **kwargs)
+        kwargs.update(desc=self.file, position=None, leave=False, file=sys.stderr, ncols=columns,
+                      nrows=lines, disable=not sys.stderr.isatty(),
+                      bar_format="{desc}: {n_fmt}B / {total_fmt}B, {rate_fmt}, {remaining} left")
+        super().__init__(*args, **kwargs)
+        type(self).received, type(self).total = kwargs.get("initial", 0), kwargs.get("total", 0)
 
-    def close(self):  # the file is complete: its line, once
-        if self.disable and self.name in Progress.fetched:
-            size = self.format_sizeof(self.total or 0)
-            print(f"{self.name}: {size}B downloaded", file=sys.stderr)
-        self.bar_format, self.name = "{desc}: {total_fmt}B downloaded", ""
-        super().close()
+    def update(self, n=1):  # counted even where the line is not shown
+        type(self).received += n
+        return super().update(n)
 
-    def update_transfer(self, *args, **kwargs):  # Xet's bytes received: update() counts those kept
-        pass
+def human(size):  # bytes, as the display writes them: 31.4MB (huggingface_hub counts 10 MB
+    return tqdm.format_sizeof(size) + "B" if size else "0B"  # at a time: less reads as 0B)
 
-    set_transfer_postfix_str = update_transfer
-
-def check_hash(path, file):
-    """A file just downloaded against the hash the Hub announced: the SHA-256 of a large (LFS)
-    file, git's SHA-1 of "blob <size>\\0" + the bytes of a small one. If it differs: removed."""
-    digest = hashlib.sha256() if file.lfs else hashlib.sha1(f"blob {file.size}\0".encode())
-    with open(path, "rb") as f:
-        for block in iter(partial(f.read, 1 << 24), b""):  # 16 MB at a time
-            digest.update(block)
-    expected = file.lfs.sha256 if file.lfs else file.blob_id
-    if digest.hexdigest() != expected:
+def verify(api, repo, local_dir, fetched):
+    """The files fetched now against the Hub's checksums (HfApi.verify_repo_checksums: SHA-256 of
+    a large file, git's SHA-1 of a small one). A mismatch: the file is removed, UserError."""
+    result = api.verify_repo_checksums(repo, local_dir=local_dir)
+    for bad in [m for m in result.mismatches if m["path"] in fetched]:
+        path = fetched[bad["path"]]
         os.remove(os.path.realpath(path))  # in the cache, the blob the link names
         path.unlink(missing_ok=True)
-        raise UserError(f"{path} is not the file the Hub announced (hash {digest.hexdigest()[:12]}"
-                        f"..., not {expected[:12]}...): damaged on the way, removed; run again "
-                        "to fetch it")
+        raise UserError(f"{path} is not the file the Hub announced ({bad['algorithm']} "
+                        f"{bad['actual'][:12]}..., not {bad['expected'][:12]}...): damaged on the "
+                        "way, removed; run again to fetch it")
 
-def hub_trouble(error):
-    """What went wrong with a download, in a few words: what the Hub answered, or why it did not."""
+def causes(error):  # an exception and what it was raised from, or while handling
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+def download_trouble(error, name, local_dir):
+    """What stopped a download, in a few words: the Hub's answer, the network, the disk. None:
+    none of these (a bug)."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import HfHubHTTPError
-    cause = error.__cause__ or error.__context__ or error  # huggingface_hub wraps what it met
-    for e in (error, cause):
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+    for e in causes(error):
         if isinstance(e, HfHubHTTPError) and e.response is not None:
             return f"the Hub answered {e.response.status_code} {e.response.reason_phrase}"
-    if constants.HF_HUB_OFFLINE:
-        return "offline: HF_HUB_OFFLINE is set"
-    return f"{constants.ENDPOINT} could not be reached ({type(cause).__name__})"
+        if isinstance(e, OfflineModeIsEnabled):
+            return "offline: HF_HUB_OFFLINE is set"
+        if isinstance(e, ConnectionResetError):
+            return f"the connection was reset after {human(progress_of(name).received)}, 3 times"
+        if isinstance(e, (ConnectionError, socket.gaierror)):  # refused, no route, no such host
+            return f"{constants.ENDPOINT} could not be reached"
+        if isinstance(e, TimeoutError):
+            return "the Hub stopped answering (timed out)"
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return f"the disk is full where it goes ({local_dir or constants.HF_HUB_CACHE})"
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS,
+                                                  errno.ENOTDIR, errno.EEXIST):
+            return f"{e.filename} cannot be written: {e.strerror.lower()}"
+    return None
 
-def hand_command(repo, local_dir, names):  # what download() would do, done by hand
+def hand_command(repo, local_dir, names):  # what download() does, as a shell command
     if local_dir is not None:
-        return f"hf download {repo} {' '.join(names)} --local-dir {local_dir}"
-    files = " ".join(f'--include "*.{ext}"' for ext in ("json", "jinja", "safetensors"))
-    return f"hf download {repo} {files}, then --model {repo}"
+        return f"hf download {repo} {' '.join(names)} --local-dir {shlex.quote(str(local_dir))}"
+    return f'hf download {repo} --include "*.json" --include "*.jinja" --include "*.safetensors"'
 
 def stream_text(token_ids):
     """Yield (id, the text it adds). A character split over two tokens (emoji, CJK) comes whole."""
@@ -974,3 +1033,8 @@ if __name__ == "__main__":
     except FloatingPointError as e:  # generate()'s: the logits overflowed the dtype
         print(f"error: {e} (--dtype float32)", file=sys.stderr)
         sys.exit(1)
+    except OSError as e:  # print() on a full disk (> /dev/full); downloads name their own
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"error: standard output cannot be written: {e.strerror.lower()}", file=sys.stderr)
+        os._exit(1)  # at exit Python would flush the same text again, and fail again

@@ -7,7 +7,6 @@ import os
 import pty
 import re
 import select
-import shlex
 import shutil
 import signal
 import struct
@@ -60,15 +59,27 @@ def run(folder, hub, *args, **extra):
 
 
 def assert_error(r, *needles):
-    """A failed run: non-zero exit, no traceback; on stderr the files that did arrive, one line
-    each, then one line that says what went wrong, with each needle in it."""
+    """A failed run: non-zero exit, no traceback, nothing on stdout; on stderr only the lines of
+    tries made again, then one line that says what went wrong, with each needle in it."""
     assert r.returncode != 0, r.stdout
-    assert "Traceback" not in r.stderr
-    *arrived, last = r.stderr.strip().splitlines()
-    assert all(line.endswith(" downloaded") for line in arrived), r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    *before, last = r.stderr.strip().splitlines()
+    assert all("trying again" in line for line in before), r.stderr
     assert last.startswith("error: ")
     for needle in needles:
         assert needle in last, (needle, last)
+
+
+def hand_command(line):
+    """The shell command an error line ends with, after "then the same command again: "."""
+    return line.strip().splitlines()[-1].split("then the same command again: ")[1]
+
+
+def run_by_hand(command, hub, home):
+    """The printed command, pasted whole into a shell, with the venv's `hf` on PATH."""
+    env = environment(hub, home, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    done = subprocess.run(command, shell=True, env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_first_run_through_a_pipe_then_a_second_that_asks_nothing(hub, fresh_clone):
@@ -76,7 +87,7 @@ def test_first_run_through_a_pipe_then_a_second_that_asks_nothing(hub, fresh_clo
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr and "\x1b" not in r.stderr  # a log, not a terminal: no redraws
     shown = r.stderr.splitlines()
-    assert [line.split(":")[0] for line in shown] == FILES  # one line per file, as it completes
+    assert [line.split(":")[0] for line in shown] == FILES  # one line per file, once verified
     assert all(re.fullmatch(r"[\w.]+: [\d.]+[kMG]?B downloaded", line) for line in shown), shown
     assert r.stdout.startswith("Qwen3 from ") and "Generation: 3 tokens" in r.stdout
     for name in FILES:
@@ -135,53 +146,55 @@ def test_first_run_at_a_terminal(hub, fresh_clone, checkpoint, columns):
 
 
 def test_ctrl_c_during_the_download(hub, fresh_clone):
-    """Ctrl-C while the weights arrive: exit status 130, one line that says what to do, nothing
-    left behind (huggingface_hub's partial file is removed); the next run downloads it whole."""
-    hub.slow["model.safetensors"] = 1.5
+    """Ctrl-C while the weights arrive: exit status 130 at once, one line that names the file, the
+    bytes that had come and what a rerun does; no file under a final name, no partial file left
+    (huggingface_hub removes its own); the next run fetches that file again, from the start."""
+    hub.slow["model.safetensors"] = 3.0
     p = subprocess.Popen([sys.executable, str(fresh_clone / "llm_inference.py"), "-m", "3"],
                          env=environment(hub, fresh_clone / "hf"), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
-    seen = b""
-    while b"tokenizer_config.json:" not in seen:  # the file before the weights is complete
-        chunk = os.read(p.stderr.fileno(), 4096)
-        assert chunk, seen
-        seen += chunk
-    time.sleep(0.4)  # the weights are arriving
-    assert any(request[1].endswith("model.safetensors") and request[0] == "GET" for request in hub.requests)
+    deadline = time.time() + 60
+    while not any(r[0] == "GET" and r[1].endswith("model.safetensors") for r in hub.requests):
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.05)
+    time.sleep(0.5)  # the weights are arriving
+    tic = time.time()
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=30)
-    err = (seen + err).decode()
-    assert p.returncode == 130, err
+    err = err.decode()
+    assert p.returncode == 130 and time.time() - tic < 2, err
     assert "Traceback" not in err and out == b""
-    assert err.splitlines()[-1] == ("error: the download was interrupted; run the same command "
-                                    "again to finish it")
+    assert re.fullmatch(r"error: the download was interrupted during model\.safetensors \([\d.]+[kM]?B "
+                        r"of it fetched, not kept\); run the same command again: it fetches "
+                        r"model\.safetensors again from the start and keeps the files already "
+                        r"complete", err.strip()), err
     folder = fresh_clone / "Qwen3-0.6B"
     assert not (folder / "model.safetensors").exists()
     assert [f for f in folder.rglob("*") if f.name.endswith(".incomplete")] == []
     hub.slow.clear()
+    hub.requests.clear()
     r = run(fresh_clone, hub)
     size = tqdm.format_sizeof(len(hub.repos["Qwen/Qwen3-0.6B"]["model.safetensors"]))
     assert r.returncode == 0 and r.stderr.splitlines() == [f"model.safetensors: {size}B downloaded"]
+    assert {r[1].split("/")[-1] for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]} == \
+        {"model.safetensors"}
 
 
-def test_a_file_damaged_on_the_way(hub, fresh_clone):
-    """Served with one byte changed, announced by the hash of the true bytes: the file is named,
-    removed, exit status 1; the next run fetches it again, and it runs."""
-    hub.corrupt.add("model.safetensors")
+@pytest.mark.parametrize("fault", ["corrupt", "lie"])
+def test_a_file_damaged_on_the_way(hub, fresh_clone, fault):
+    """Served with one byte changed (corrupt), or the true bytes announced by a wrong hash (lie):
+    huggingface_hub's checksums disagree; the file is named, removed, exit status 1, nothing runs;
+    the next run (the fault gone) fetches it again, and it runs."""
+    getattr(hub, fault).add("model.safetensors")
     r = run(fresh_clone, hub)
     path = fresh_clone / "Qwen3-0.6B" / "model.safetensors"
-    assert_error(r, f"{path} is not the file the Hub announced", "damaged on the way, removed; run "
-                 "again to fetch it")
-    assert not path.exists() and r.stdout == ""
-    hub.corrupt.clear()
+    assert_error(r, f"{path} is not the file the Hub announced (sha256 ", "damaged on the way, "
+                 "removed; run again to fetch it")
+    assert not path.exists()
+    getattr(hub, fault).clear()
     again = run(fresh_clone, hub)
     assert again.returncode == 0 and "Generation: 3 tokens" in again.stdout, again.stderr
     assert path.read_bytes() == hub.repos["Qwen/Qwen3-0.6B"]["model.safetensors"]
-
-
-def hand_command(line):
-    """The command an error line prints after "By hand: " (up to ", then")."""
-    return shlex.split(line.split("By hand: ")[1].split(", then")[0])
 
 
 def test_hub_not_reached_and_the_hand_command(hub, fresh_clone):
@@ -191,13 +204,10 @@ def test_hub_not_reached_and_the_hand_command(hub, fresh_clone):
     down = "http://127.0.0.1:9"  # the discard port: nothing listens on it
     r = run(fresh_clone, hub, HF_ENDPOINT=down)
     folder = fresh_clone / "Qwen3-0.6B"
-    assert_error(r, f"could not download the file list of Qwen/Qwen3-0.6B: {down} could not "
-                 "be reached", f"By hand: hf download Qwen/Qwen3-0.6B {' '.join(FILES)} --local-dir {folder}")
-    command = hand_command(r.stderr)
-    command[0] = str(Path(sys.executable).parent / "hf")  # the venv's, as `pip install` puts on PATH
-    done = subprocess.run(command, env=environment(hub, fresh_clone / "hf"), capture_output=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert_error(r, f"could not download config.json of Qwen/Qwen3-0.6B: {down} could not "
+                 "be reached")
+    assert hand_command(r.stderr) == f"hf download Qwen/Qwen3-0.6B {' '.join(FILES)} --local-dir {folder}"
+    run_by_hand(hand_command(r.stderr), hub, fresh_clone / "hf")
     hub.requests.clear()
     r = run(fresh_clone, hub)
     assert r.returncode == 0 and "Generation: 3 tokens" in r.stdout and hub.requests == []
@@ -205,8 +215,9 @@ def test_hub_not_reached_and_the_hand_command(hub, fresh_clone):
 
 def test_offline(hub, fresh_clone):
     r = run(fresh_clone, hub, HF_HUB_OFFLINE="1")
-    assert_error(r, "could not download the file list of Qwen/Qwen3-0.6B: offline: "
-                 "HF_HUB_OFFLINE is set. By hand: hf download Qwen/Qwen3-0.6B")
+    assert_error(r, "could not download config.json of Qwen/Qwen3-0.6B: offline: "
+                 "HF_HUB_OFFLINE is set. To fetch it by hand, run this, then the same command "
+                 "again: hf download Qwen/Qwen3-0.6B")
     assert hub.requests == []
 
 
@@ -217,7 +228,8 @@ def test_the_hub_answers_an_error(hub, fresh_clone, name, status, answer):
     over about 23 s, before it gives up.)"""
     hub.status[name] = status
     r = run(fresh_clone, hub)
-    assert_error(r, f"could not download {name} of Qwen/Qwen3-0.6B: the Hub answered {answer}. By hand: ")
+    assert_error(r, f"could not download {name} of Qwen/Qwen3-0.6B: the Hub answered {answer}. To "
+                 "fetch it by hand")
 
 
 def test_repo_id_into_the_cache_and_its_hand_command(hub, fresh_clone, checkpoint):
@@ -232,13 +244,93 @@ def test_repo_id_into_the_cache_and_its_hand_command(hub, fresh_clone, checkpoin
     assert run(fresh_clone, hub, "--model", "Qwen/Qwen3-1.7B").returncode == 0 and hub.requests == []
     shutil.rmtree(fresh_clone / "hf")
     r = run(fresh_clone, hub, "--model", "Qwen/Qwen3-1.7B", HF_HUB_OFFLINE="1")
-    assert_error(r, 'By hand: hf download Qwen/Qwen3-1.7B --include "*.json" --include '
-                 '"*.jinja" --include "*.safetensors", then --model Qwen/Qwen3-1.7B')
-    command = hand_command(r.stderr)
-    command[0] = str(Path(sys.executable).parent / "hf")
-    done = subprocess.run(command, env=environment(hub, fresh_clone / "hf"), capture_output=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert_error(r, "offline: HF_HUB_OFFLINE is set")
+    assert hand_command(r.stderr) == ('hf download Qwen/Qwen3-1.7B --include "*.json" --include '
+                                      '"*.jinja" --include "*.safetensors"')
+    run_by_hand(hand_command(r.stderr), hub, fresh_clone / "hf")
     hub.requests.clear()
     r = run(fresh_clone, hub, "--model", "Qwen/Qwen3-1.7B")
     assert r.returncode == 0 and r.stderr == "" and hub.requests == []
+
+
+def test_a_reset_mid_file_is_tried_again(hub, fresh_clone):
+    """The connection reset after 300 kB of the weights, once: the file is fetched again from the
+    start within the run, a line says so, and the run goes on. Reset every time: after 3 tries,
+    one line names the reset and the file."""
+    hub.reset["model.safetensors"] = (300_000, 1)
+    r = run(fresh_clone, hub)
+    assert r.returncode == 0 and "Generation: 3 tokens" in r.stdout, r.stderr
+    lines = r.stderr.splitlines()
+    assert re.fullmatch(r"model\.safetensors: the connection was reset after [\d.]+[kM]?B of 997kB; "
+                        r"trying again \(2 of 3\)", lines[0]), lines
+    assert [line.split(":")[0] for line in lines[1:]] == FILES
+    folder = fresh_clone / "Qwen3-0.6B"
+    assert (folder / "model.safetensors").read_bytes() == hub.repos["Qwen/Qwen3-0.6B"]["model.safetensors"]
+    (folder / "model.safetensors").unlink()
+    hub.reset["model.safetensors"] = (300_000, 99)
+    r = run(fresh_clone, hub)
+    assert_error(r, "could not download model.safetensors of Qwen/Qwen3-0.6B: the connection was "
+                 "reset after ", ", 3 times. To fetch it by hand")
+    assert not (folder / "model.safetensors").exists()
+
+
+def test_a_stall_mid_file_times_out(hub, fresh_clone):
+    """The Hub stops sending in the middle of the weights: huggingface_hub waits
+    HF_HUB_DOWNLOAD_TIMEOUT seconds, resumes and tries again a few times, then the line says so."""
+    hub.stall["model.safetensors"] = 300_000
+    r = run(fresh_clone, hub, HF_HUB_DOWNLOAD_TIMEOUT="1")
+    assert_error(r, "could not download model.safetensors of Qwen/Qwen3-0.6B: the Hub stopped "
+                 "answering (timed out)")
+
+
+def test_a_repo_without_safetensors_weights(hub, fresh_clone, tmp_path):
+    """A GGUF-only repo: one line, this script runs safetensors checkpoints."""
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "config.json").write_text("{}")
+    (tmp_path / "gguf" / "model-Q4_K_M.gguf").write_bytes(b"GGUF" + bytes(1000))
+    hub.add_repo("someone/Qwen3-0.6B-GGUF", tmp_path / "gguf", ["config.json", "model-Q4_K_M.gguf"])
+    r = run(fresh_clone, hub, "--model", "someone/Qwen3-0.6B-GGUF")
+    assert_error(r, "someone/Qwen3-0.6B-GGUF has no model.safetensors: this script runs "
+                 "safetensors checkpoints (the repo holds config.json, model-Q4_K_M.gguf)")
+
+
+def mounted(path, options):
+    """A tmpfs mounted at path for the test (as root a mode of 555 refuses nobody; a read-only
+    or full file system refuses root too), or skip where this machine cannot mount."""
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["file", "read-only", "full"])
+def test_a_folder_that_cannot_be_written(hub, fresh_clone, kind):
+    """The default folder as a file, on a read-only file system, or on a full one: the line names
+    the path and the cause, never the network."""
+    folder = fresh_clone / "Qwen3-0.6B"
+    if kind == "file":
+        folder.write_text("not a folder")
+        assert_error(run(fresh_clone, hub), f"{folder} is a file, not a folder")
+        return
+    mounted(folder, "ro,size=1m" if kind == "read-only" else "size=400k")
+    try:
+        r = run(fresh_clone, hub)
+    finally:
+        subprocess.run(["umount", str(folder)])
+    if kind == "read-only":
+        assert_error(r, f"could not download config.json of Qwen/Qwen3-0.6B: {folder}/.cache",
+                     "cannot be written: read-only file system")
+    else:
+        assert_error(r, "could not download model.safetensors of Qwen/Qwen3-0.6B: the disk is full "
+                     f"where it goes ({folder})")
+
+
+def test_standard_output_on_a_full_disk(checkpoint):
+    """> /dev/full: one line on stderr, exit status 1 (and `| head` still ends quietly: tested in
+    test_cli_errors.py)."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, str(ROOT / "llm_inference.py"), "--model", str(checkpoint()),
+                            "-m", "3"], stdout=full, stderr=subprocess.PIPE, timeout=120)
+    assert r.returncode == 1 and r.stderr.decode() == ("error: standard output cannot be written: "
+                                                       "no space left on device\n")
