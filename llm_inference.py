@@ -1,4 +1,4 @@
-"""Qwen3 from scratch in MLX, beside the article "Inside an LLM: Pure Python Inference for Qwen3".
+"""Qwen3 from scratch beside "Inside an LLM: Pure Python Inference for Qwen3-0.6B on MLX".
 Part I    the article's script: constants, load(), Steps 1-9 through generate(). It runs alone.
 Part II   what the article leaves out: quantised weights, Qwen3.5, multi-token prediction, batching.
 Part III  what serves it all: file checks, download, chat, the command line."""
@@ -37,9 +37,9 @@ def as_list(ids):  # an EOS entry: an id, a list of them, or null
     return ids if isinstance(ids, list) else [ids]
 
 def load(model_dir, dtype=None):
-    """The article's set-up, unchecked: config.json, the weights (mx.load), tokenizer.json.
-    dtype: compute in it, not the weights' own. The command line's load_checked() (Part III)
-    checks every file and entry first, then fills the same names through use()."""
+    """The set-up the article names but does not show, unchecked: config.json, mx.load and
+    tokenizer.json; dtype: compute in it, not the weights' own. The command line's load_checked()
+    (Part III) checks every file and entry first, then fills the same names through use()."""
     folder = Path(model_dir)
     cfg = json.loads((folder / "config.json").read_text())
     if cfg["model_type"] != "qwen3" or "quantization" in cfg:  # Qwen3.5, 4/8-bit: Part III
@@ -74,8 +74,8 @@ def embed(token_ids):
     return W["model.embed_tokens.weight"][mx.array(token_ids)]        # (L, 1024)
 
 # ═══ Step 3. RMSNorm — turn the volume to a standard level, then a learned gain per channel ═══
-# @mx.compile, here and below: MLX traces the function once per input shape and fuses its
-# element-wise steps into one kernel. Delete it and you get the same numbers, more slowly.
+# @mx.compile, here and below: MLX traces the function once per input shape (or once, shapeless)
+# and fuses its element-wise steps into one kernel. Delete it: the same numbers, more slowly.
 @mx.compile
 def rms_norm(x, w, eps=1e-6):
     """x: (..., n), w: (n,) -> x / sqrt(mean(x^2) + eps) * w, the mean in float32 (in bfloat16 it
@@ -126,7 +126,7 @@ def attention(x, layer_idx, cache, start, rope, visible):
 
 def cache_write(cache, layer_idx, k, v, start):
     """k, v (L, KV, hd) -> this layer's keys and values so far, (KV, S, hd); None: none yet. The
-    article makes a new cache with each token (concatenate); here it is written into buffers."""
+    article makes new K and V arrays each call (concatenate); here they go into buffers."""
     end = start + k.shape[0]
     keys, values = cache[layer_idx] or (mx.zeros((k.shape[1], 0, k.shape[2]), k.dtype),) * 2
     if keys.shape[1] < end:                                           # full: GROW more positions
