@@ -120,8 +120,11 @@ def attention(x, layer_idx, cache, start, rope, visible):
     k = rms_norm(k, W[p + "k_norm.weight"], EPS)                      # and of k, before RoPE
     q = apply_rope(q, *rope)                                          # (L, 16, 128)
     k = apply_rope(k, *rope)                                          # (L, 8, 128)
-    keys, values = cache_write(cache, layer_idx, k, v, start)         # (8, S, 128) each
-    out = attend(q, keys, values, visible)                            # (L, 2048) heads merged
+    if isinstance(start, list):  # several sequences, a token each (Part II: batching)
+        out = attend_rows(cache, layer_idx, q, k, v, start)           # (B, 2048)
+    else:
+        keys, values = cache_write(cache, layer_idx, k, v, start)     # (8, S, 128) each
+        out = attend(q, keys, values, visible)                        # (L, 2048) heads merged
     return linear(out, p + "o_proj")                                  # (L, 1024)
 
 def cache_write(cache, layer_idx, k, v, start):
@@ -290,26 +293,30 @@ def embed_quantized(ids):  # a quantised embedding: only the rows the ids pick a
 
 # ═══ Qwen3.5 — hybrid attention: 3 layers in 4 keep compressed notes, the 4th its full memory ═══
 def qwen35_attention(x, layer_idx, cache, start, visible):  # the layer's kind, in layer_types
-    if QWEN35["layer_types"][layer_idx] == "linear_attention":        # 18 of 0.8B's 24 layers
-        return gated_delta_net(x, layer_idx, cache, start)
+    if layer_idx < N_LAYERS and QWEN35["layer_types"][layer_idx] == "linear_attention":  # 18 of 24
+        return gated_delta_net(x, layer_idx, cache, start)  # (layer N: the MTP head's, full)
     return gated_attention(x, layer_idx, cache, start, visible)       # every 4th: 6 of 24
 
 def gated_attention(x, layer_idx, cache, start, visible):
     """Step 5's attention, three things changed: q_proj also gives each head a gate, RoPE turns
     only the first quarter of each head, and the heads' output is scaled by sigmoid(gate)."""
     p, L = f"model.layers.{layer_idx}.self_attn.", x.shape[0]
-    r = int(D_HEAD * QWEN35["partial_rotary_factor"])               # 64 of 256 dimensions
-    q = linear(x, p + "q_proj").reshape(L, N_HEADS, 2 * D_HEAD)     # (L, 8, 512) q, then gate
-    q, gate = q[..., :D_HEAD], q[..., D_HEAD:]                    # (L, 8, 256) each
-    k = linear(x, p + "k_proj").reshape(L, N_KV, D_HEAD)            # (L, 2, 256)
-    v = linear(x, p + "v_proj").reshape(L, N_KV, D_HEAD)            # (L, 2, 256)
+    r = int(D_HEAD * QWEN35["partial_rotary_factor"])                 # 64 of 256 dimensions
+    q = linear(x, p + "q_proj").reshape(L, N_HEADS, 2 * D_HEAD)       # (L, 8, 512) q, then gate
+    q, gate = q[..., :D_HEAD], q[..., D_HEAD:]                        # (L, 8, 256) each
+    k = linear(x, p + "k_proj").reshape(L, N_KV, D_HEAD)              # (L, 2, 256)
+    v = linear(x, p + "v_proj").reshape(L, N_KV, D_HEAD)              # (L, 2, 256)
     q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm, as in Step 5
     k = rms_norm(k, W[p + "k_norm.weight"], EPS)
-    rope = rope_tables(mx.arange(start, start + L), x.dtype, r)       # (L, 1, 64) each
+    batch = isinstance(start, list)  # several sequences, a token each (batching, below)
+    rope = rope_tables(mx.array(start) if batch else mx.arange(start, start + L), x.dtype, r)
     q = mx.concatenate([apply_rope(q[..., :r], *rope), q[..., r:]], axis=-1)  # (L, 8, 256)
     k = mx.concatenate([apply_rope(k[..., :r], *rope), k[..., r:]], axis=-1)  # (L, 2, 256)
-    keys, values = cache_write(cache, layer_idx, k, v, start)         # (2, S, 256) each
-    out = attend(q, keys, values, visible)                            # (L, 2048)
+    if batch:
+        out = attend_rows(cache, layer_idx, q, k, v, start)           # (B, 2048)
+    else:
+        keys, values = cache_write(cache, layer_idx, k, v, start)     # (2, S, 256) each
+        out = attend(q, keys, values, visible)                        # (L, 2048)
     return linear(out * mx.sigmoid(gate.reshape(L, -1)), p + "o_proj")  # (L, 1024)
 
 def l2_norm(x, eps=1e-6):  # x (..., n) -> x / |x| along the last axis, length 1; in float32
@@ -326,9 +333,7 @@ def gated_delta_net(x, layer_idx, cache, start):
     its key (k S), move that towards its value (S += k^T beta (v - k S)), read with its query
     (q S)."""
     p, L = f"model.layers.{layer_idx}.linear_attn.", x.shape[0]
-    hk, hv = QWEN35["linear_num_key_heads"], QWEN35["linear_num_value_heads"]        # 16, 16
-    dk, dv = QWEN35["linear_key_head_dim"], QWEN35["linear_value_head_dim"]          # 128, 128
-    width = QWEN35["linear_conv_kernel_dim"]                          # 4 tokens: the convolution's
+    hv, dv = QWEN35["linear_num_value_heads"], QWEN35["linear_value_head_dim"]       # 16, 128
     qkv = linear(x, p + "in_proj_qkv")                                # (L, 6144) q, k, v
     z = linear(x, p + "in_proj_z").reshape(L, hv, dv)                 # (L, 16, 128) output gate
     beta = mx.sigmoid(linear(x, p + "in_proj_b"))                     # (L, 16) write strength 0..1
@@ -336,8 +341,25 @@ def gated_delta_net(x, layer_idx, cache, start):
     # decay: how much of S each token keeps, in 0..1 per head; a larger step forgets more, at a
     # rate A = exp(A_log) that each head learned.
     decay = mx.exp(-mx.exp(W[p + "A_log"]) * step)                    # (L, 16)
+    if isinstance(start, list):  # several sequences, a token each (batching, below): own notes
+        y = mx.concatenate([delta_memory(cache[b], layer_idx, qkv[b:b + 1], beta[b:b + 1],
+                                         decay[b:b + 1], s) for b, s in enumerate(start)])
+    else:
+        y = delta_memory(cache, layer_idx, qkv, beta, decay, start)   # (L, 16, 128)
+    y = rms_norm(y.astype(x.dtype), W[p + "norm.weight"], EPS)        # (L, 16, 128)
+    gate = z.astype(mx.float32)                                       # the output gate:
+    y = y.astype(mx.float32) * (gate * mx.sigmoid(gate))              # (L, 16, 128) y * silu(z)
+    return linear(y.astype(x.dtype).reshape(L, -1), p + "out_proj")   # (L, 1024)
+
+def delta_memory(cache, layer_idx, qkv, beta, decay, start):
+    """One sequence's L tokens through the short convolution and the delta rule, from and into
+    its cache[layer_idx] = (conv_state, state) -> what each token reads, (L, 16, 128) float32."""
+    p, L = f"model.layers.{layer_idx}.linear_attn.", qkv.shape[0]
+    hk, hv = QWEN35["linear_num_key_heads"], QWEN35["linear_num_value_heads"]        # 16, 16
+    dk, dv = QWEN35["linear_key_head_dim"], QWEN35["linear_value_head_dim"]          # 128, 128
+    width = QWEN35["linear_conv_kernel_dim"]                          # 4 tokens: the convolution's
     if start == 0 or cache[layer_idx] is None:                        # nothing remembered yet
-        cache[layer_idx] = (mx.zeros((width - 1, qkv.shape[1]), x.dtype), mx.zeros((hv, dk, dv)))
+        cache[layer_idx] = (mx.zeros((width - 1, qkv.shape[1]), qkv.dtype), mx.zeros((hv, dk, dv)))
     conv_state, state = cache[layer_idx]                              # (3, 6144), (16, 128, 128)
     # A short convolution first: each of the 6144 channels becomes a weighted sum of its value at
     # this token and at the 3 before it (4 learned weights a channel), so that a key carries a
@@ -355,11 +377,10 @@ def gated_delta_net(x, layer_idx, cache, start):
     for t in range(L):                                                # token after token
         state, y = delta_step(state, q[t], k[t], v[t], decay[t], beta[t])  # y: (16, 128)
         out.append(y)
+        if SNAPSHOTS is not None:  # kept for a rollback (multi-token prediction, below)
+            SNAPSHOTS.setdefault(layer_idx, []).append((window[t + 1:t + width], state))
     cache[layer_idx] = (window[-(width - 1):], state)                 # the last 3 inputs, and S
-    y = rms_norm(mx.stack(out).astype(x.dtype), W[p + "norm.weight"], EPS)  # (L, 16, 128)
-    gate = z.astype(mx.float32)                                       # the output gate:
-    y = y.astype(mx.float32) * (gate * mx.sigmoid(gate))              # (L, 16, 128) y * silu(z)
-    return linear(y.astype(x.dtype).reshape(L, -1), p + "out_proj")   # (L, 1024)
+    return mx.stack(out)                                              # (L, 16, 128)
 
 @mx.compile
 def delta_step(state, q, k, v, decay, beta):
@@ -369,6 +390,179 @@ def delta_step(state, q, k, v, decay, beta):
     recalled = (k[:, None, :] @ state)[:, 0]                          # (H, dv) k S
     state = state + k[:, :, None] * (beta[:, None] * (v - recalled))[:, None, :]  # towards v
     return state, (q[:, None, :] @ state)[:, 0]                       # (H, dv) q S
+
+# ═══ Multi-token prediction — a quick guess at the next tokens, checked in one pass ═══
+# Decoding waits on memory: one pass over 2 tokens costs about what one over 1 does. So guess the
+# token after the next one cheaply (a draft), and let the model check it: it runs once on
+# [next, draft], and where its own choice after `next` equals the draft, both stand and the second
+# row gives one more token for free. The rule (mlx-lm's): every token emitted is the model's own
+# choice at its position (its argmax, or its own sample), and a draft only saves the pass that
+# would have made it; so the tokens are exactly generate()'s, and sampling keeps exactly the
+# model's distribution (the article's "a little quality" is not lost here). Drafts come from
+# Qwen3.5's MTP head, or, for any model, from the text so far (prompt lookup).
+SNAPSHOTS = None  # while a dict: delta_memory() keeps each layer's state after each token there
+
+def mtp_logits(tokens, hidden, mtp_cache, start):
+    """Qwen3.5's MTP head: ids x_{t+1} (L,) and the model's last hidden states h_t (L, D), after
+    its final norm, at positions start.. -> logits (L, vocab) for x_{t+2}. Its layer is one of
+    Qwen3.5's full-attention layers (read as layer N_LAYERS) with its own KV cache; its LM head
+    is the model's."""
+    e = rms_norm(embed(tokens), W["mtp.pre_fc_norm_embedding.weight"], EPS)  # (L, 1024)
+    h = rms_norm(hidden, W["mtp.pre_fc_norm_hidden.weight"], EPS)     # (L, 1024)
+    x = linear(mx.concatenate([e, h], axis=-1), "mtp.fc")             # (L, 1024) from (L, 2048)
+    positions = mx.arange(start, start + x.shape[0])                  # h_t's: the draft's is t
+    visible = mx.arange(start + x.shape[0])[None, :] <= positions[:, None]
+    x = transformer_block(x, N_LAYERS, mtp_cache, start, None, visible)  # (L, 1024)
+    return linear(rms_norm(x, W["mtp.norm.weight"], EPS), "lm_head")  # (L, vocab)
+
+def lookup_draft(history, k, longest=3):
+    """Prompt lookup: the last n ids (n = 3, then 2, 1) found earlier in history -> the k ids that
+    followed their latest earlier match ([] if none)."""
+    for n in range(longest, 0, -1):
+        for i in range(len(history) - n - 1, -1, -1):
+            if history[i:i + n] == history[-n:]:
+                return history[i + n:i + n + k]
+    return []
+
+def hidden_pass(token_ids, cache, start, lens=None):
+    """Steps 2-7 for the ids at positions start.., CHUNK at a time -> the last block's output
+    after the final norm (L, D), what the MTP head reads; the LM head is left to the caller.
+    lens: a list, given the last token's x after each block (--explain's logit lens)."""
+    rows = []
+    for i in range(0, len(token_ids), CHUNK):
+        blocks = []
+        forward(token_ids[i:i + CHUNK], cache, start + i, blocks)  # its logits are never computed
+        rows.append(rms_norm(blocks[-1], W["model.norm.weight"], EPS))
+        mx.eval(rows[-1], cache)
+    if lens is not None:
+        lens.extend(x[-1:] for x in blocks)
+    return mx.concatenate(rows)                                       # (L, 1024)
+
+def generate_draft(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, draft="mtp", k=1,
+                   cache=None, start=0, hidden=None, counts=None):
+    """generate(), with k ids drafted ahead (by the MTP head, or by prompt lookup) and checked in
+    one pass: the same ids as generate(). hidden: hidden_pass()'s, if it ran the prompt in.
+    counts: a dict, given "drafted" and "accepted"."""
+    global SNAPSHOTS
+    cache = [None] * N_LAYERS if cache is None else cache
+    counts = {} if counts is None else counts
+    counts.setdefault("drafted", 0)
+    counts.setdefault("accepted", 0)
+    hidden = hidden_pass(prompt_ids, cache, start) if hidden is None else hidden  # (L, 1024)
+    logits = linear(hidden[-1:], "lm_head")[-1]                       # (vocab,) the next id's
+    mtp_cache, history = [None] * (N_LAYERS + 1), list(prompt_ids)
+    if draft == "mtp" and len(prompt_ids) > 1:  # the head's cache over the prompt, shifted by one:
+        mx.eval(mtp_logits(mx.array(prompt_ids[1:]), hidden[:-1], mtp_cache, start), mtp_cache)
+    pos, end = start + len(prompt_ids), min(start + len(prompt_ids) + max_tokens, MAX_POS)
+    token, rows, at = sample(logits, temperature, top_p).item(), hidden[-1:], pos - 1
+    while pos < end:  # token: the model's id at pos, not in the cache yet; rows: h_at .. h_pos-1
+        if not mx.isfinite(logits).all().item():
+            raise FloatingPointError(f"the logits at position {pos} are not finite (NaN or inf): "
+                                     "the activations overflow the dtype")
+        if token in EOS_IDS:
+            return
+        yield token
+        if pos + 1 >= end:
+            forward([token], cache, pos)  # into the cache, as generate() leaves it
+            return
+        if draft == "mtp":  # the head reads (x_t+1, h_t) from at on: the ids it has not seen
+            guess = mtp_logits(mx.array(history[at + 1 - start:] + [token]), rows, mtp_cache, at)
+            proposal = mx.argmax(guess[-1:], axis=-1)                 # (1,) its id, lazy
+        else:
+            proposal = mx.array(lookup_draft(history + [token], k), mx.uint32)  # (k,) or (0,)
+        proposal = proposal[:end - pos - 1]                           # never past the end
+        SNAPSHOTS = {} if QWEN35 else None
+        blocks = []
+        logits = forward(mx.concatenate([mx.array([token], mx.uint32), proposal]), cache, pos,
+                         blocks)                                      # (1 + k, vocab) one pass
+        snapshots, SNAPSHOTS = SNAPSHOTS, None
+        if temperature == 0:
+            choices = mx.argmax(logits, axis=-1)                      # (1 + k,) the model's own
+        else:
+            choices = mx.stack([sample(row, temperature, top_p) for row in logits])
+        drafts, choices = proposal.tolist(), choices.tolist()
+        n = 0  # accepted: the drafts equal to the model's own choice, up to the first that is not
+        while n < len(drafts) and choices[n] == drafts[n] and drafts[n] not in EOS_IDS:
+            n += 1
+        counts["drafted"] += len(drafts)
+        counts["accepted"] += n
+        history += [token] + drafts[:n]
+        for d in drafts[:n]:  # each the model's own choice: emitted as generate() would
+            yield d
+        for layer, states in (snapshots or {}).items():  # a DeltaNet state: the one after the
+            cache[layer] = states[n]                      # last id kept (a KV cache writes over)
+        hidden = rms_norm(blocks[-1], W["model.norm.weight"], EPS)    # (1 + k, 1024)
+        rows, at, pos = hidden[:n + 1], pos, pos + n + 1
+        token, logits = choices[n], logits[n]
+
+# ═══ Batching — several sequences share every weight read; a finished one makes room ═══
+# Decoding one token reads every weight once to multiply it by a single row, so the machine waits
+# on memory; multiplied by B rows, the same weights cost little more, for B tokens. Here B
+# sequences decode together: one pass over B tokens, each at its own position, so that every
+# projection and feed-forward multiplies its weights by B rows at once. Each sequence keeps the
+# article's cache, a list of one tuple per layer, and only attention reads them row by row: no
+# padding and no mask between rows, and a row that joins or leaves copies nothing. The price is
+# attention's few small kernels once per row (mlx-lm pads all rows into one array per layer).
+
+def attend_rows(caches, layer_idx, q, k, v, starts):
+    """q, k, v (B, heads, hd): row b is one token of sequence b, at position starts[b], with its
+    own cache caches[b] -> (B, heads * hd): Step 5's cache_write() and attend(), row by row."""
+    rows = []
+    for b, start in enumerate(starts):
+        keys, values = cache_write(caches[b], layer_idx, k[b:b + 1], v[b:b + 1], start)
+        rows.append(attend(q[b:b + 1], keys, values, mx.ones((1, start + 1), mx.bool_)))
+    return mx.concatenate(rows)                                       # (B, 2048)
+
+def forward_batch(token_ids, caches, starts):
+    """B tokens, token_ids[b] at position starts[b] of sequence b -> logits (B, vocab): Steps 2-8
+    on B rows at once, each row's attention on its own cache."""
+    x = embed(token_ids)                                              # (B, 1024)
+    rope = rope_tables(mx.array(starts), x.dtype)                     # (B, 1, 128) each its own
+    for i in range(N_LAYERS):
+        x = transformer_block(x, i, caches, starts, rope, None)       # (B, 1024)
+    return lm_head(x)                                                 # (B, 151936)
+
+def generate_batch(prompts, max_tokens=100, temperature=0.0, top_p=1.0, batch_size=8, ended=None):
+    """Yield (i, id) for the tokens of prompts[i] (lists of ids), each as generate() gives it alone.
+    Up to batch_size sequences decode together; one that ends (EOS, max_tokens, the context's end)
+    leaves, and the next waiting prompt is prefilled alone and joins: continuous batching. ended:
+    a list, given (i, cache, positions held) as each sequence leaves."""
+    waiting, rows = list(enumerate(prompts))[::-1], []  # rows: the sequences decoding now
+    while waiting or rows:
+        while waiting and len(rows) < batch_size:  # a free row: the next prompt, prefilled alone
+            i, ids = waiting.pop()
+            cache = [None] * N_LAYERS
+            logits = prefill(ids, cache)                              # (vocab,)
+            token, finite = sample(logits, temperature, top_p), mx.isfinite(logits).all()
+            mx.async_eval(token, finite)  # its first token comes from its own prefill
+            rows.append({"i": i, "cache": cache, "pos": len(ids), "token": token,
+                         "finite": finite, "end": min(len(ids) + max_tokens, MAX_POS)})
+        going = [row for row in rows if row["pos"] + 1 < row["end"]]  # a next token is wanted
+        if going:  # the next step, queued before this one's tokens are looked at (as generate())
+            tokens = mx.stack([row["token"] for row in going])        # (B,)
+            logits = forward_batch(tokens, [row["cache"] for row in going],
+                                   [row["pos"] for row in going])     # (B, vocab)
+            finite = mx.isfinite(logits).all(axis=-1)                 # (B,)
+            if temperature == 0:  # Step 8's greedy choice, every row at once
+                upcoming = mx.argmax(logits, axis=-1)                 # (B,)
+            else:
+                upcoming = mx.stack([sample(row, temperature, top_p) for row in logits])
+            mx.async_eval(upcoming, finite)
+            for b, row in enumerate(going):
+                row["next"] = upcoming[b], finite[b]
+        for row in list(rows):
+            if not row["finite"].item():
+                raise FloatingPointError(f"the logits of prompt {row['i'] + 1} are not finite "
+                                         "(NaN or inf): the activations overflow the dtype")
+            token = row["token"].item()
+            if token not in EOS_IDS:
+                yield row["i"], token
+            if token in EOS_IDS or row["pos"] + 1 >= row["end"]:  # it leaves: room for the next
+                rows.remove(row)
+                if ended is not None:
+                    ended.append((row["i"], row["cache"], row["pos"] + (token not in EOS_IDS)))
+            else:
+                (row["token"], row["finite"]), row["pos"] = row.pop("next"), row["pos"] + 1
 
 # ═══ Part III — what serves it all: file checks, download, chat, the command line ═══
 import argparse, errno, os, re, shlex, shutil, signal, socket, sys, time, warnings  # noqa
@@ -414,6 +608,9 @@ def read_file(path, parse, what):
 
 def parse_json(path):
     return json.loads(Path(path).read_text())
+
+def read_bytes(path):
+    return Path(path).read_bytes()
 
 def shown_json(value, most=60):  # a config value in an error line, cut with "..." if long
     text = json.dumps(value)
@@ -528,6 +725,8 @@ def read_weights(model_dir, cfg, dtype):
         for part in (".weight", ".scales", ".biases"):  # a quantised table has all three
             weights["lm_head" + part] = weights.get("model.embed_tokens" + part)
     weights = checked_shapes(weights, cfg, folder)
+    for name in [name for name in weights if name.startswith("mtp.layers.0.")]:  # its layer, read
+        weights[f"model.layers.{cfg['num_hidden_layers']}.{name[13:]}"] = weights[name]  # as N
     sums = {name: w.sum() for name, w in weights.items()  # NaN or inf: not finite (a tied head and
             if w.dtype != mx.uint32 and not (cfg["tie_word_embeddings"] and "lm_head" in name)}
     mx.eval(weights, sums)  # read every weight now, so that generation times only generation
@@ -553,6 +752,8 @@ def checked_shapes(weights, cfg, folder):
     for i in range(cfg["num_hidden_layers"]):
         own = qwen35_shapes(cfg, i, layer) if cfg["qwen35"] else layer
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in own.items()})
+    if cfg["qwen35"] and cfg["qwen35"]["mtp"] and any(n.startswith("mtp.") for n in weights):
+        shapes.update(mtp_shapes(cfg, layer))  # the MTP head: all 15 tensors, or none
     for name, shape in list(shapes.items()):  # MLX's quantised: packed words, a scale, a bias
         scales = weights.get(name.replace(".weight", ".scales"))  # per group of a row's numbers
         if scales is not None and len(shape) == 2 and name in weights:
@@ -583,21 +784,35 @@ def qwen35_config(cfg, path):
                         "linear_num_key_heads")
     if rope_dims % 2 or not 0 < rope_dims <= cfg["head_dim"]:
         raise UserError(f"{path}: head_dim x partial_rotary_factor must be even, at most head_dim")
-    return {name: cfg[name] for name in QWEN35_CONFIG}
+    mtp = cfg.get("mtp_num_hidden_layers", 0)
+    if mtp not in (0, 1):  # Qwen3.5's have one
+        raise UserError(f"{path}: mtp_num_hidden_layers must be 0 or 1, not {shown_json(mtp)}")
+    return {**{name: cfg[name] for name in QWEN35_CONFIG}, "mtp": mtp}
 
 def qwen35_weights(weights):
-    """Hugging Face's checkpoint (its convolution (C, 1, K)) stores five norms as offsets from 1,
+    """Hugging Face's checkpoint (its convolution (C, 1, K)) stores its norms (five kinds, and the
+    MTP head's two more) as offsets from 1,
     not the DeltaNet's: they become gains, 1 added in the stored dtype, before any --dtype, as
     mlx-lm does (transformers adds it in float32: on bfloat16 weights the two differ by one
     rounding of each gain, a few 1e-2 in the logits). mlx-lm's conversions (C, K, 1) hold gains."""
     hf = any(name.endswith("conv1d.weight") and w.shape[1] == 1 for name, w in weights.items())
-    offsets = ("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight")
+    offsets = ("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight",
+               "mtp.norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
     for name, w in weights.items():
         if name.endswith("conv1d.weight"):
             weights[name] = w.reshape(w.shape[0], -1)                 # (C, K)
         elif hf and name.endswith(offsets):
             weights[name] = w + 1
     return weights
+
+def mtp_shapes(cfg, layer):
+    """The MTP head's 15 tensors -> their shapes: fc (D, 2D), its two input norms, one layer of
+    Qwen3.5's full attention (mtp.layers.0.*), and its final norm."""
+    d, full = cfg["hidden_size"], cfg["qwen35"]["layer_types"].index("full_attention")
+    own = {name: shape for name, shape in qwen35_shapes(cfg, full, layer).items()}
+    return {"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,),
+            "mtp.pre_fc_norm_hidden.weight": (d,), "mtp.norm.weight": (d,),
+            **{f"mtp.layers.0.{name}": shape for name, shape in own.items()}}
 
 def qwen35_shapes(cfg, i, layer):
     """Layer i's tensors -> their shapes, from a Qwen3 layer's: norms and mlp the same; Step 5's
@@ -875,9 +1090,13 @@ def reply(prompt_ids, args, cache, start=0, echo=""):
         raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
     if held + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
-    hidden = [] if args.explain else None
+    hidden, states, counts = [] if args.explain else None, None, {}
     tic = time.perf_counter()
-    logits = prefill(prompt_ids, cache, start, hidden)                # (vocab,)
+    if args.draft:  # every token's hidden state kept, for the MTP head
+        states = hidden_pass(prompt_ids, cache, start, hidden)        # (L, 1024)
+        logits = linear(states[-1:], "lm_head")[-1]                   # (vocab,)
+    else:
+        logits = prefill(prompt_ids, cache, start, hidden)            # (vocab,)
     if args.explain:
         explain(prompt_ids, hidden)
     if args.explain or args.show_probs:
@@ -889,11 +1108,19 @@ def reply(prompt_ids, args, cache, start=0, echo=""):
     generated, first = [], None
     tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache, start,
                       logits)
+    if args.draft:
+        tokens = generate_draft(prompt_ids, args.max_tokens, args.temperature, args.top_p,
+                                args.draft, args.num_draft_tokens, cache, start, states, counts)
     for token, piece in stream_text(tokens):
         first = first or time.perf_counter()  # the first token ends the prefill
         generated.append(token)
         print(piece, end="", flush=True)
     print_stats(len(prompt_ids), len(generated), tic, first or time.perf_counter(), cache, held)
+    if args.draft:  # after mlx-lm's lines: what drafting did
+        by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
+        share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
+        print(f"Draft: {counts['drafted']} tokens drafted by {by}, {counts['accepted']} accepted"
+              f"{share}", flush=True)
     return generated
 
 def print_stats(n_prompt, n, tic, first, cache, held):
@@ -909,6 +1136,39 @@ def print_stats(n_prompt, n, tic, first, cache, held):
         states = cache_bytes(cache, kind="linear_attention")
         print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
               f"{states / 1e6:.3f} MB at any length", flush=True)
+
+def reply_batch(texts, args):
+    """Several prompts, one continuous batch (generate_batch()): each completion after its prompt,
+    in the prompts' order; at a terminal, a progress line meanwhile; then the batch's statistics."""
+    prompts = [chat_prompt_ids([t], args) if args.chat else tokenize(t) for t in texts]
+    if max(len(ids) for ids in prompts) >= MAX_POS:
+        raise UserError(f"a prompt is {max(len(ids) for ids in prompts)} tokens; the context "
+                        f"holds {MAX_POS}")
+    tic, done, ended = time.perf_counter(), [[] for _ in prompts], []
+    for n, (i, token) in enumerate(generate_batch(prompts, args.max_tokens, args.temperature,
+                                                  args.top_p, args.batch_size, ended), 1):
+        done[i].append(token)
+        if sys.stderr.isatty() and n % 8 == 0:
+            print(f"\r[{len(ended)} of {len(prompts)} prompts done, {n} tokens]", end="",
+                  file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - tic
+    if sys.stderr.isatty():
+        print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+    for text, ids in zip(texts, done):
+        completion = "".join(piece for _, piece in stream_text(ids))  # as a single run prints it
+        print("=" * 10 + "\n" + ("" if args.chat else text) + completion)
+    n = sum(len(ids) for ids in done)
+    print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
+          f"--batch-size {args.batch_size}")
+    print(f"Generation: {n} tokens, {n / seconds:.3f} tokens-per-sec (all rows, prefills included)")
+    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    kv = sum(cache_bytes(cache, held) for _, cache, held in ended)
+    print(f"KV cache: {sum(held for _, _, held in ended)} positions in {len(ended)} sequences, "
+          f"{kv / 1e6:.3f} MB (each as it ended)", flush=True)
+    if QWEN35:
+        states = sum(cache_bytes(cache, kind="linear_attention") for _, cache, _ in ended)
+        print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers x "
+              f"{len(ended)} sequences, {states / 1e6:.3f} MB", flush=True)
 
 def converse(args):
     """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:
@@ -949,7 +1209,13 @@ def parse_args(argv):
     """The flags, named as in mlx_lm.generate; every value is checked before any work."""
     ap = Flags(description="Qwen3 text generation from scratch with MLX.")
     ap.add_argument("--model", default=str(HERE / "Qwen3-0.6B"), help="folder or Hugging Face repo")
-    ap.add_argument("--prompt", "-p", help='default: "The capital of France is"; "-" reads stdin')
+    ap.add_argument("--prompt", "-p", action="append",
+                    help='default: "The capital of France is"; "-" reads stdin; again: a batch')
+    ap.add_argument("--prompts", metavar="FILE", help="one prompt a line, decoded as a batch")
+    ap.add_argument("--batch-size", type=int, default=8, metavar="N", help="most rows at once")
+    ap.add_argument("--draft", choices=["mtp", "lookup"], help="draft ahead: Qwen3.5's MTP head, "
+                    "or prompt lookup")
+    ap.add_argument("--num-draft-tokens", type=int, metavar="K", help="mtp: 1; lookup: 3")
     ap.add_argument("--max-tokens", "-m", type=int, default=100)
     ap.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="sample from this much probability")
@@ -965,6 +1231,13 @@ def parse_args(argv):
               (not args.temperature >= 0, "--temperature must be 0 or more"),
               (not 0 < args.top_p <= 1, "--top-p must be more than 0 and at most 1"),
               (args.show_probs < 0, "--show-probs must be 0 or more"),
+              (args.batch_size < 1, "--batch-size must be at least 1"),
+              (args.num_draft_tokens is not None and not args.draft,
+               "--num-draft-tokens needs --draft"),
+              (args.num_draft_tokens is not None and args.num_draft_tokens < 1,
+               "--num-draft-tokens must be at least 1"),
+              (args.draft == "mtp" and args.num_draft_tokens not in (None, 1),
+               "--draft mtp drafts 1 token at a time (its head predicts one ahead)"),
               (args.system is not None and not args.chat, "--system needs --chat"),
               (args.no_think and not args.chat, "--no-think needs --chat"),
               (args.seed is not None and not 0 <= args.seed < 2**64,
@@ -972,27 +1245,40 @@ def parse_args(argv):
     for wrong, message in checks:
         if wrong:
             ap.error(message)
+    if args.draft and args.num_draft_tokens is None:
+        args.num_draft_tokens = 1 if args.draft == "mtp" else 3
     return args
 
-def read_prompt(args):
-    """--prompt's text (standard input's, for "-"), checked; standard streams checked first."""
+def read_prompts(args):
+    """The prompts: each --prompt's text (standard input's, for "-"), then --prompts FILE's lines;
+    [None] for none. Checked, the standard streams first."""
+    texts = args.prompt or []
     if sys.stdout is None:  # started with it closed (>&-): print() would drop the text silently
         raise UserError("standard output is closed: there is nowhere to print the text")
-    if sys.stdin is None and (args.prompt == "-" or args.chat and args.prompt is None):
+    if sys.stdin is None and ("-" in texts or args.chat and not texts and not args.prompts):
         raise UserError("standard input is closed: there is nothing to read the prompt from")
     if sys.stdin is None:  # closed (<&-): a file opened next would get descriptor 0, which MLX's
         os.open(os.devnull, os.O_RDONLY)  # safetensors reader takes for a failure; fill it first
-    text = as_text(sys.stdin.buffer.read()) if args.prompt == "-" else args.prompt
-    for flag, value in [("--prompt", text), ("--system", args.system)]:
-        if value is not None:  # bytes that are not UTF-8 reach Python as lone surrogates
-            as_text(value.encode(errors="surrogateescape"), flag)
-    if text == "":
+    texts = [as_text(sys.stdin.buffer.read()) if text == "-" else text for text in texts]
+    for flag, text in [("--prompt", text) for text in texts] + [("--system", args.system)]:
+        if text is not None:  # bytes that are not UTF-8 reach Python as lone surrogates
+            as_text(text.encode(errors="surrogateescape"), flag)
+    if "" in texts:
         raise UserError("the prompt is empty (see --help)")
-    return text
+    if args.prompts is not None:
+        lines = read_file(args.prompts, read_bytes, "a file").splitlines()
+        texts += [as_text(line, args.prompts) for line in lines if line.strip()]
+        if not lines or not texts:
+            raise UserError(f"{args.prompts} has no prompt (one a line)")
+    if len(texts) > 1 and (args.explain or args.show_probs):
+        raise UserError("--explain and --show-probs show one prompt: give one (see --help)")
+    if len(texts) > 1 and args.draft:
+        raise UserError("--draft decodes one prompt at a time: give one (see --help)")
+    return texts or [None]
 
 def main(argv=None):
     args = parse_args(argv)
-    text = read_prompt(args)
+    texts = read_prompts(args)
     if args.seed is not None:
         mx.random.seed(args.seed)
     folder = model_folder(args.model)
@@ -1008,19 +1294,24 @@ def main(argv=None):
         size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
                 f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
     name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
+    if args.draft == "mtp" and "mtp.fc.weight" not in W:
+        raise UserError(f"{folder} has no MTP head (mtp.* tensors): --draft mtp needs Qwen3.5's "
+                        "own; --draft lookup drafts with any model")
     if QWEN35:  # and what of it is not run
-        name = (f"Qwen3.5 from {folder} (text only: its vision tower and multi-token "
-                "prediction are not run)")
+        head = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
+        name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {head})"
         layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
     print(f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
           f"{size}, {dtype_name(W['model.norm.weight'].dtype)}")
-    if args.chat and text is None:
+    if len(texts) > 1:
+        reply_batch(texts, args)
+    elif args.chat and texts[0] is None:
         converse(args)
     elif args.chat:
-        reply(chat_prompt_ids([text], args), args, [None] * N_LAYERS)
+        reply(chat_prompt_ids(texts, args), args, [None] * N_LAYERS)
     else:
-        reply(tokenize(text or "The capital of France is"), args, [None] * N_LAYERS,
-              echo=text or "The capital of France is")
+        reply(tokenize(texts[0] or "The capital of France is"), args, [None] * N_LAYERS,
+              echo=texts[0] or "The capital of France is")
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130

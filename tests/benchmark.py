@@ -8,6 +8,7 @@
     python tests/benchmark.py --shape small          # 28 tiny layers: bound by the launch overhead
     python tests/benchmark.py --quantize 4           # the same, quantised by mlx-lm (groups of 64)
     python tests/benchmark.py --qwen35               # Qwen3.5-0.8B's proportions, 4 layers: 3 DeltaNet
+    python tests/benchmark.py --batches 1,4,16       # batching: ours, mlx-lm's batch_generate, B runs
 
 Runs alternate between the two implementations (ours, mlx-lm, ours, mlx-lm, ...) after one
 warm-up each, and each figure is the median over --runs. Prefill tokens/s = prompt tokens / time
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
@@ -131,6 +132,54 @@ class MlxLm:
         return (int(t) for t, _ in steps)
 
 
+class NoStop:  # what batch_generate asks of a tokenizer: no EOS id (every row makes its tokens)
+    eos_token_ids = []
+
+    def decode(self, ids):
+        return ""
+
+
+def batch_rows(model, batches, runs, n_prompt=16, n_new=32):
+    """Total generated tokens per second over B prompts of n_prompt tokens, n_new tokens each,
+    prefill included: ours (generate_batch), mlx-lm's batch_generate, and B plain runs of ours one
+    after another; interleaved, medians. EOS ids are set aside so that every row makes n_new."""
+    li.EOS_IDS = set()
+    vocab = li.TOK.get_vocab_size() - 10
+    print(f"{'B':>3}{'ours':>10}{'mlx-lm':>10}{'ratio':>8}{'B runs':>10}{'ours/runs':>11}"
+          f"{'kernels/row':>13}{'single':>8}")
+    for B in batches:
+        prompts = [[(7 * i + 13 * b + 3) % vocab for i in range(n_prompt)] for b in range(B)]
+        figures = {"ours": [], "mlx-lm": [], "runs": []}
+        ways = {"ours": lambda: list(li.generate_batch(prompts, n_new, batch_size=B)),
+                "mlx-lm": lambda: batch_generate(model, NoStop(), prompts, max_tokens=n_new,
+                                                 completion_batch_size=B, prefill_batch_size=B),
+                "runs": lambda: [list(li.generate(ids, max_tokens=n_new)) for ids in prompts]}
+        for run in range(runs + 1):
+            for name, way in ways.items():
+                mx.clear_cache()
+                tic = time.perf_counter()
+                way()
+                if run:  # run 0 is the warm-up
+                    figures[name].append(B * n_new / (time.perf_counter() - tic))
+        a, b, c = (statistics.median(figures[name]) for name in ways)
+        print(f"{B:>3}{a:>10.2f}{b:>10.2f}{a / b:>7.2f}x{c:>10.2f}{a / c:>10.2f}x"
+              f"{batch_kernels(prompts) / B:>13.1f}{batch_kernels(prompts[:1], single=True):>8.1f}")
+
+
+def batch_kernels(prompts, single=False):
+    """The kernels one decode step launches for these rows (a graph count, as kernels_per_layer)."""
+    caches = []
+    for ids in prompts:
+        caches.append([None] * li.N_LAYERS)
+        mx.eval(li.prefill(ids, caches[-1]), caches[-1])
+    if single:
+        step = lambda: li.forward([5], caches[0], len(prompts[0]))[-1]  # noqa: E731
+    else:
+        step = lambda: li.forward_batch(mx.array([5] * len(prompts)), caches,  # noqa: E731
+                                        [len(ids) for ids in prompts])
+    return kernels_per_layer(step, 1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a Qwen3 folder; default: write random weights")
@@ -143,6 +192,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="quantise it with mlx_lm.convert")
     ap.add_argument("--qwen35", action="store_true", help="a random Qwen3.5 (0.8B's proportions)")
+    ap.add_argument("--batches", help="batch sizes, e.g. 1,4,16: the batching rows only")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     folder = args.model
@@ -171,6 +221,9 @@ def main():
     mx.eval(list(li.W.values()), model.parameters())
     bytes_ours = sum(w.nbytes for w in {id(w): w for w in li.W.values()}.values())
     bytes_ref = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    if args.batches:
+        batch_rows(model, [int(b) for b in args.batches.split(",")], args.runs)
+        return
     impls = {"ours": (Ours(), bytes_ref), "mlx-lm": (MlxLm(model), bytes_ours)}
     vocab = li.TOK.get_vocab_size() - 10  # ordinary tokens only
     prompt = lambda n: [(7 * i + 3) % vocab for i in range(n)]  # noqa: E731

@@ -197,12 +197,19 @@ CHAT_TEMPLATE_35 = (
     "{%- else %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
 
 
-def write_qwen35(folder, tokenizer, dtype="float32", tied=True, seed=0, layer_types=None, **overrides):
+def write_qwen35(folder, tokenizer, dtype="float32", tied=True, seed=0, layer_types=None, mtp="random",
+                 layers_scale=1.0, **overrides):
     """A random-weight Qwen3.5 checkpoint in the Hugging Face layout of the release: config.json
     with its text_config (and a vision_config), weights under model.language_model.*, the vision
     tower's and the multi-token predictor's tensors there to be skipped, the five norms that
     Qwen3.5 stores as offsets from 1 stored so (the DeltaNet's gated norm as a gain), the
-    convolution as (channels, 1, kernel), A_log in float32."""
+    convolution as (channels, 1, kernel), A_log in float32.
+    mtp: the multi-token-prediction head's 15 tensors, "random"; "agree", built to agree with the
+    model: fc passes the token's embedding on, its layer adds nothing, its final norm is the
+    model's, so it drafts the model's own next token after x_t+1 as if the model's layers added
+    nothing (all of its drafts stand when
+    layers_scale, a factor on every layer's output projections, is 0); or "none", as mlx-lm's
+    conversions leave it."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     c = dict(TINY35, **overrides)
@@ -232,11 +239,11 @@ def write_qwen35(folder, tokenizer, dtype="float32", tied=True, seed=0, layer_ty
         arrays.update({layer + "input_layernorm.weight": offset(d),
                        layer + "post_attention_layernorm.weight": offset(d),
                        layer + "mlp.gate_proj.weight": mat(f, d), layer + "mlp.up_proj.weight": mat(f, d),
-                       layer + "mlp.down_proj.weight": mat(d, f)})
+                       layer + "mlp.down_proj.weight": mat(d, f, layers_scale)})
         if kind == "full_attention":
             a = layer + "self_attn."
             arrays.update({a + "q_proj.weight": mat(2 * q, d, 2.0), a + "k_proj.weight": mat(kv, d, 2.0),
-                           a + "v_proj.weight": mat(kv, d), a + "o_proj.weight": mat(d, q),
+                           a + "v_proj.weight": mat(kv, d), a + "o_proj.weight": mat(d, q, layers_scale),
                            a + "q_norm.weight": offset(hd), a + "k_norm.weight": offset(hd)})
         else:
             a = layer + "linear_attn."
@@ -246,18 +253,32 @@ def write_qwen35(folder, tokenizer, dtype="float32", tied=True, seed=0, layer_ty
                            a + "dt_bias": normal((hv,), 0.5),
                            a + "A_log": mx.array(np.log(rng.uniform(1, 16, hv)).astype(np.float32)),
                            a + "norm.weight": 1 + normal((c["linear_value_head_dim"],), 0.2),  # a gain
-                           a + "out_proj.weight": mat(d, values)})
+                           a + "out_proj.weight": mat(d, values, layers_scale)})
     if not tied:
         arrays["lm_head.weight"] = mat(v, d, 4.0)
     arrays.update({"model.visual.patch_embed.proj.weight": normal((32, 3, 2, 4, 4), 0.02),
-                   "model.visual.blocks.0.attn.qkv.weight": normal((96, 32), 0.02),
-                   "mtp.fc.weight": normal((d, 2 * d), 0.02), "mtp.norm.weight": offset(d)})
+                   "model.visual.blocks.0.attn.qkv.weight": normal((96, 32), 0.02)})
+    if mtp != "none":  # top-level mtp.*, its norms offsets from 1 like the model's
+        agree = mtp == "agree"
+        m = "mtp.layers.0."
+        zero = mx.zeros((d,), cast)  # an offset of 0: a gain of 1
+        arrays.update({
+            "mtp.fc.weight": mx.concatenate([mx.eye(d), mx.zeros((d, d))], 1).astype(cast) if agree
+            else mat(d, 2 * d), "mtp.pre_fc_norm_embedding.weight": zero if agree else offset(d),
+            "mtp.pre_fc_norm_hidden.weight": zero if agree else offset(d),
+            "mtp.norm.weight": arrays[p + "norm.weight"] if agree else offset(d),  # the model's gain
+            m + "input_layernorm.weight": offset(d), m + "post_attention_layernorm.weight": offset(d),
+            m + "self_attn.q_proj.weight": mat(2 * q, d, 2.0), m + "self_attn.k_proj.weight": mat(kv, d),
+            m + "self_attn.v_proj.weight": mat(kv, d), m + "self_attn.q_norm.weight": offset(hd),
+            m + "self_attn.o_proj.weight": mat(d, q, 0.0 if agree else 1.0),
+            m + "self_attn.k_norm.weight": offset(hd), m + "mlp.gate_proj.weight": mat(f, d),
+            m + "mlp.up_proj.weight": mat(f, d), m + "mlp.down_proj.weight": mat(d, f, 0.0 if agree else 1.0)})
     mx.save_safetensors(str(folder / "model.safetensors"), arrays, metadata={"format": "pt"})
     ids = {t: tokenizer.token_to_id(t) for t in SPECIALS}
     text = {**c, "model_type": "qwen3_5_text", "layer_types": layer_types, "attention_bias": False,
             "attn_output_gate": True, "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": tied,
             "full_attention_interval": 4, "eos_token_id": ids["<|endoftext|>"], "dtype": dtype,
-            "mtp_num_hidden_layers": 1, "mamba_ssm_dtype": "float32",
+            "mtp_num_hidden_layers": 0 if mtp == "none" else 1, "mamba_ssm_dtype": "float32",
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
                                 "mrope_interleaved": True, "mrope_section": [1, 1, 2]}}
     config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",

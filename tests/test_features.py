@@ -46,6 +46,7 @@ def parse_row(row):
 @pytest.mark.parametrize("system", [None, "You are terse. 🙂"])
 @pytest.mark.parametrize("think", [True, False])
 def test_chat_prompt_is_qwen3_template(checkpoint, tokenizer, system, think):
+    li.load(checkpoint())  # a Qwen3 (an earlier test may have left a Qwen3.5 loaded)
     question = "What is the capital of France? 🇫🇷"
     expected = (f"<|im_start|>system\n{system}<|im_end|>\n" if system else "") + \
         f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n" + \

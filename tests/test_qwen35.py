@@ -191,8 +191,8 @@ def test_command_line_plain_explain_and_memories(qwen35, tokenizer):
     explained = run_cli("--model", str(folder), "-m", "6", "--explain")
     assert plain.returncode == explained.returncode == 0 and plain.stderr == "", plain.stderr
     assert plain.stdout.startswith(
-        f"Qwen3.5 from {folder} (text only: its vision tower and multi-token prediction are not "
-        "run): 4 layers, 3 of them Gated DeltaNet, hidden 64, 4 query / 2 KV heads x 32, ")
+        f"Qwen3.5 from {folder} (text only: its vision tower is not run; an MTP head to draft "
+        "with): 4 layers, 3 of them Gated DeltaNet, hidden 64, 4 query / 2 KV heads x 32, ")
     text = plain.stdout.split("==========\n")[1]
     assert text.startswith("The capital of France is") and text in explained.stdout
     assert len(re.findall(r"\n +block \d ", explained.stdout)) == 4  # the lens: every layer

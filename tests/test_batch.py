@@ -1,0 +1,147 @@
+"""Batching (Part II, generate_batch()): several prompts decode together, one pass of the model
+over one token of each, and a finished row makes room for the next prompt. Proven exact in
+float32: each row's tokens are the ones its prompt gives alone through generate()."""
+import mlx.core as mx
+import pytest
+
+import llm_inference as li
+from test_cli_errors import assert_error, run_cli
+from test_quantized import quantized  # noqa: F401 (the fixture)
+
+TEXTS = ["The capital of France is", "Once", "def f(x):\n    return x * 2  # code, too",
+         "日本の首都は東京です。", "Emoji: 😀 👍🏽 and numbers 0123456789", "a"]
+
+
+def alone(prompts, n, **sampling):
+    return [list(li.generate(ids, max_tokens=n, **sampling)) for ids in prompts]
+
+
+def batched(prompts, n, batch_size, **options):
+    out = [[] for _ in prompts]
+    for i, token in li.generate_batch(prompts, max_tokens=n, batch_size=batch_size, **options):
+        out[i].append(token)
+    return out
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 4, 6])
+def test_each_row_is_its_prompt_alone(checkpoint, batch_size):
+    """Prompts of different lengths; with fewer rows than prompts, rows leave and others join."""
+    li.load(checkpoint())
+    prompts = [li.tokenize(t) for t in TEXTS]
+    assert len({len(ids) for ids in prompts}) == len(prompts)
+    assert batched(prompts, 12, batch_size) == alone(prompts, 12)
+
+
+def test_rows_ending_at_different_times_leave_the_batch(checkpoint, monkeypatch):
+    """A token of one row made an EOS id: that row ends there, the others go on; once its EOS is
+    seen the batch is a row smaller (a finished row costs no more products), and the waiting
+    prompt joins in the row it frees."""
+    li.load(checkpoint())
+    prompts = [li.tokenize(t) for t in TEXTS[:4]]
+    free = alone(prompts, 12)
+    j = next(j for j in range(2, 12) if free[1][j] not in free[1][:j])  # a token new to row 1
+    monkeypatch.setattr(li, "EOS_IDS", li.EOS_IDS | {free[1][j]})
+    expected = alone(prompts, 12)
+    assert len(expected[1]) == j and any(len(ids) == 12 for ids in expected)
+    sizes, forward_batch = [], li.forward_batch
+
+    def counting(token_ids, caches, starts):
+        sizes.append(len(starts))
+        return forward_batch(token_ids, caches, starts)
+
+    monkeypatch.setattr(li, "forward_batch", counting)
+    assert batched(prompts[:3], 12, 3) == expected[:3]
+    # Like generate(), each step is queued before the tokens it follows are looked at: the step
+    # after the EOS (call j) still holds the row, the next one no longer.
+    assert sizes[:j + 1] == [3] * (j + 1) and sizes[j + 1] == 2
+    sizes.clear()
+    assert batched(prompts, 12, 3) == expected  # prompt 4 joins where prompt 2 left
+    assert sizes[j + 1] == 3
+
+
+def test_a_row_at_the_contexts_end(checkpoint):
+    """A prompt near max_position_embeddings stops there, as generate() does; the others go on."""
+    li.load(checkpoint(max_position_embeddings=24))
+    prompts = [li.tokenize(t) for t in TEXTS[:3]]
+    expected = alone(prompts, 20)
+    assert len(expected[2]) == 24 - len(prompts[2]) < 20
+    assert batched(prompts, 20, 3) == expected
+
+
+def test_qwen35_rows_keep_their_own_notes(qwen35):
+    """Qwen3.5: each row its own DeltaNet state and convolution window, and its KV caches."""
+    li.load(qwen35())
+    prompts = [li.tokenize(t) for t in TEXTS[:5]]
+    assert batched(prompts, 10, 3) == alone(prompts, 10)
+
+
+def test_quantised_rows(quantized):  # noqa: F811
+    li.load(quantized("4bit-g64-untied"), mx.float32)
+    prompts = [li.tokenize(t) for t in TEXTS[:4]]
+    assert batched(prompts, 8, 4) == alone(prompts, 8)
+
+
+def test_sampling_with_a_seed_is_reproducible(checkpoint):
+    """The rows draw from the model's distribution in a fixed order: the same seed, the same
+    tokens (not the tokens of single runs, whose draws come in another order)."""
+    li.load(checkpoint())
+    prompts = [li.tokenize(t) for t in TEXTS[:4]]
+    runs = []
+    for _ in range(2):
+        mx.random.seed(3)
+        runs.append(batched(prompts, 10, 2, temperature=1.0, top_p=0.9))
+    assert runs[0] == runs[1] and len({tuple(ids) for ids in runs[0]}) > 1
+
+
+def test_bfloat16_rows_round_as_a_single_row_does(checkpoint):
+    """In bfloat16 a product over B rows may round differently from one row's (so two correct
+    runs can part ways where two tokens are close): the suite asserts that each row's logits in a
+    batched step are within bfloat16's rounding of the same step alone, not that tokens agree."""
+    li.load(checkpoint(dtype="bfloat16"))
+    prompts = [li.tokenize(t) for t in TEXTS[:3]]
+    caches, singles, tokens = [], [], []
+    for ids in prompts:
+        cache = [None] * li.N_LAYERS
+        li.prefill(ids, cache)
+        caches.append(cache)
+        tokens.append(ids[-1])
+        copy = list(cache)
+        singles.append(li.forward([ids[-1]], copy, len(ids))[-1])
+    rows = li.forward_batch(mx.array(tokens), caches, [len(ids) for ids in prompts])
+    for row, single in zip(rows, singles):
+        err = mx.abs(row.astype(mx.float32) - single.astype(mx.float32)).max().item()
+        assert err <= 0.02 * mx.abs(single.astype(mx.float32)).max().item()
+
+
+def test_command_line(checkpoint, tmp_path):
+    """--prompt given 3 times and --prompts FILE: each completion after its prompt, in the
+    prompts' order, equal to each prompt's own run; the batch's statistics."""
+    folder = str(checkpoint())
+    singles = [run_cli("--model", folder, "-p", t, "-m", "6").stdout.split("==========")[1]
+               for t in TEXTS[:3]]
+    r = run_cli("--model", folder, "-p", TEXTS[0], "-p", TEXTS[1], "-p", TEXTS[2], "-m", "6",
+                "--batch-size", "2")
+    assert r.returncode == 0, r.stderr
+    parts = r.stdout.split("==========\n")
+    assert parts[1:4] == [s.lstrip("\n") for s in singles]
+    assert "Prompt: " in parts[4] and "3 prompts, --batch-size 2" in parts[4]
+    assert "Generation: " in parts[4] and "KV cache: " in parts[4] and "in 3 sequences" in parts[4]
+    file = tmp_path / "prompts.txt"
+    file.write_text("\n".join(TEXTS[:3]).replace("\n    return", " return") + "\n\n")
+    r2 = run_cli("--model", folder, "--prompts", str(file), "-m", "6")
+    assert r2.returncode == 0 and r2.stdout.count("==========\n") == 4, r2.stderr
+
+
+def test_flags_that_do_not_go_together(checkpoint, tmp_path):
+    folder = str(checkpoint())
+    assert_error(run_cli("--model", folder, "-p", "a", "-p", "b", "--explain"),
+                 "--explain and --show-probs show one prompt")
+    assert_error(run_cli("--model", folder, "-p", "a", "-p", "b", "--show-probs", "3"),
+                 "--explain and --show-probs show one prompt")
+    assert_error(run_cli("--model", folder, "-p", "a", "--batch-size", "0"),
+                 "--batch-size must be at least 1")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert_error(run_cli("--model", folder, "--prompts", str(tmp_path / "empty.txt")),
+                 "empty.txt has no prompt (one a line)")
+    assert_error(run_cli("--model", folder, "--prompts", str(tmp_path / "missing.txt")),
+                 "lacks missing.txt")
