@@ -1082,9 +1082,10 @@ def explain(prompt_ids, hidden):
     for i, (token, p) in enumerate(logit_lens(hidden), 1):
         print(bar_row(f"block {i}", token, p))
 
-def reply(prompt_ids, args, cache, start=0, echo=""):
+def reply(prompt_ids, args, cache, start=0, echo="", keep=None):
     """One completion: --explain and --show-probs, then the text as it comes (after echo) and the
-    statistics -> the new ids. The prompt goes into the cache once; generate() continues from it."""
+    statistics -> the new ids. The prompt goes into the cache once; generate() continues from it.
+    keep: (position, list): the list is given the cache as it is at that position of the prompt."""
     held = start + len(prompt_ids)
     if held >= MAX_POS:
         raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
@@ -1095,6 +1096,12 @@ def reply(prompt_ids, args, cache, start=0, echo=""):
     if args.draft:  # every token's hidden state kept, for the MTP head
         states = hidden_pass(prompt_ids, cache, start, hidden)        # (L, 1024)
         logits = linear(states[-1:], "lm_head")[-1]                   # (vocab,)
+    elif keep:  # up to the position, then the rest
+        mark, saved = keep
+        prefill(prompt_ids[:mark - start], cache, start)              # its logits never computed
+        mx.eval(cache)
+        saved[:] = list(cache)  # a DeltaNet state is a new array at every token; the KV buffers
+        logits = prefill(prompt_ids[mark - start:], cache, mark, hidden)  # are written over later
     else:
         logits = prefill(prompt_ids, cache, start, hidden)            # (vocab,)
     if args.explain:
@@ -1177,7 +1184,7 @@ def converse(args):
     if at_terminal:  # a person types: say how to end, and prompt as mlx_lm.chat does
         print("Type a message and press Enter; an empty line or Ctrl-D ends the chat.",
               file=sys.stderr)
-    turns, cache, cached_ids = [], [None] * N_LAYERS, []
+    turns, cache, cached_ids, saved, mark = [], [None] * N_LAYERS, [], None, 0
     while True:
         print(">> " if at_terminal else "", end="", flush=True)
         line = as_text(sys.stdin.buffer.readline()).rstrip("\r\n")
@@ -1186,10 +1193,17 @@ def converse(args):
         turns.append(line)
         prompt_ids = chat_prompt_ids(turns, args)
         reused = reusable(cached_ids, prompt_ids)
-        if QWEN35 and reused < len(cached_ids):  # a DeltaNet's state cannot be cut back to a
-            reused = 0  # prefix: unless the prompt extends all it holds, start afresh
+        if QWEN35 and reused < len(cached_ids):  # a DeltaNet's state cannot be cut back: go on
+            reused = mark if saved and mark <= reused else 0  # from the one kept at the mark
+            cache[:] = saved if reused else [None] * N_LAYERS
         print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
-        generated = reply(prompt_ids[reused:], args, cache, reused)
+        # The next turn's prompt renders this answer without its thinking, so it parts from this
+        # one right after "<|im_start|>assistant\n": Qwen3.5's cache is kept as it is there.
+        mark = len(prompt_ids) - len(tokenize(chat_prompt([""], None, not args.no_think)
+                                              .split("<|im_start|>assistant\n")[-1]))
+        saved = [] if QWEN35 and not args.draft and mark > reused else None
+        generated = reply(prompt_ids[reused:], args, cache, reused,
+                          keep=None if saved is None else (mark, saved))
         turns.append(TOK.decode(generated))
         cached_ids = prompt_ids + generated  # what generate() leaves in the cache
 

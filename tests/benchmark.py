@@ -9,6 +9,8 @@
     python tests/benchmark.py --quantize 4           # the same, quantised by mlx-lm (groups of 64)
     python tests/benchmark.py --qwen35               # Qwen3.5-0.8B's proportions, 4 layers: 3 DeltaNet
     python tests/benchmark.py --batches 1,4,16       # batching: ours, mlx-lm's batch_generate, B runs
+    python tests/benchmark.py --qwen35 --draft mtp   # drafting: heads that agree, half agree, random
+    python tests/benchmark.py --draft lookup         # prompt lookup on Qwen3, a repetitive prompt
 
 Runs alternate between the two implementations (ours, mlx-lm, ours, mlx-lm, ...) after one
 warm-up each, and each figure is the median over --runs. Prefill tokens/s = prompt tokens / time
@@ -180,6 +182,56 @@ def batch_kernels(prompts, single=False):
     return kernels_per_layer(step, 1)
 
 
+def draft_rows(folders, draft, runs, n_new=64):
+    """Decode tokens/s after a 16-token prompt: plain (generate) and drafting (generate_draft),
+    ours, and mlx-lm's plain decode on the same folder; the share of drafts accepted; and what a
+    draft costs beside a plain step (the MTP head on one row against the model on one row)."""
+    print(f"{'folder':<22}{'plain':>9}{'draft':>9}{'ratio':>8}{'mlx-lm':>9}{'accepted':>10}"
+          f"{'draft/step':>12}")
+    for label, folder in folders.items():
+        li.load(folder)
+        li.EOS_IDS = set()
+        model, _ = load_model(Path(folder))
+        vocab = li.TOK.get_vocab_size() - 10
+        prompt = [(7 * i + 3) % vocab for i in range(8)] * 2 if draft == "lookup" else \
+            [(7 * i + 3) % vocab for i in range(16)]
+        figures, counts = {"plain": [], "draft": [], "mlx-lm": []}, {}
+        ways = {"plain": lambda: li.generate(prompt, max_tokens=n_new),
+                "draft": lambda: li.generate_draft(prompt, n_new, draft=draft,
+                                                   k=1 if draft == "mtp" else 3, counts=counts),
+                "mlx-lm": lambda: MlxLm(model).generate(prompt, n_new)}
+        for run in range(runs + 1):
+            for name, way in ways.items():
+                mx.clear_cache()
+                counts.clear()
+                speed = timed(way(), len(prompt))[1]
+                if run:
+                    figures[name].append(speed)
+                if name == "draft":
+                    accepted = counts["accepted"] / max(counts["drafted"], 1)
+        a, b, c = (statistics.median(figures[name]) for name in ways)
+        print(f"{label:<22}{a:>9.2f}{b:>9.2f}{b / a:>7.2f}x{c:>9.2f}{accepted:>9.0%}"
+              f"{draft_cost() if draft == 'mtp' else 0.0:>11.2f}x")
+        del model
+
+
+def draft_cost(runs=10):
+    """The MTP head on one row against the model's step on one row (median seconds, after 16)."""
+    cache, mtp_cache = [None] * li.N_LAYERS, [None] * (li.N_LAYERS + 1)
+    hidden = li.hidden_pass(list(range(16)), cache, 0)
+    mx.eval(li.mtp_logits(mx.array(list(range(1, 16))), hidden[:-1], mtp_cache, 0), mtp_cache)
+    times = {"head": [], "step": []}
+    for _ in range(runs):
+        for name in times:
+            tic = time.perf_counter()
+            if name == "head":
+                mx.eval(li.mtp_logits(mx.array([5]), hidden[-1:], list(mtp_cache), 15))
+            else:
+                mx.eval(li.forward([5], list(cache), 16))
+            times[name].append(time.perf_counter() - tic)
+    return statistics.median(times["head"]) / statistics.median(times["step"])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a Qwen3 folder; default: write random weights")
@@ -193,6 +245,7 @@ def main():
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="quantise it with mlx_lm.convert")
     ap.add_argument("--qwen35", action="store_true", help="a random Qwen3.5 (0.8B's proportions)")
     ap.add_argument("--batches", help="batch sizes, e.g. 1,4,16: the batching rows only")
+    ap.add_argument("--draft", choices=["mtp", "lookup"], help="the drafting rows only")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     folder = args.model
@@ -211,6 +264,15 @@ def main():
               f"hidden {shapes['hidden_size']}, vocabulary {shapes['vocab_size']} ...")
         folder = write_checkpoint(tmp.name, build_tokenizer(), dtype=args.dtype, lm_head="tied_stored",
                                   init="realistic", **shapes)
+    if args.draft == "mtp" and args.model is None:  # three heads on the same model
+        heads = {"agreeing, layers x0": ("agree", 0.0), "agreeing, layers x1": ("agree", 1.0),
+                 "random head": ("random", 1.0)}  # x0: the layers add nothing, all drafts stand
+        folders = {name: write_qwen35(Path(tmp.name) / name.replace(" ", "_"), build_tokenizer(),
+                                      dtype=args.dtype, mtp=mtp, layers_scale=scale, tied=False,
+                                      **shapes) for name, (mtp, scale) in heads.items()}
+        return draft_rows(folders, "mtp", args.runs)
+    if args.draft:
+        return draft_rows({"Qwen3, lookup": folder}, args.draft, args.runs)
     if args.quantize:  # mlx-lm's own tool: both implementations read the same packed weights
         from mlx_lm.convert import convert
         quantized = Path(tmp.name) / f"{args.quantize}-bit"

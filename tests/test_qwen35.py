@@ -205,20 +205,32 @@ def test_command_line_plain_explain_and_memories(qwen35, tokenizer):
             f"allocated)\nDeltaNet state: 3 layers, {states / 1e6:.3f} MB at any length") in plain.stdout
 
 
-def test_conversation_turn_equals_a_fresh_run(qwen35, tokenizer):
-    """A recurrent state cannot be cut back to a common prefix: a turn whose prompt does not
-    extend all that is cached (the template drops the answer's thinking) computes afresh. Its
-    reply equals a fresh run of the whole prompt."""
+@pytest.mark.parametrize("think", [True, False])
+def test_conversation_turn_equals_a_fresh_run(qwen35, tokenizer, think):
+    """A recurrent state cannot be cut back to a common prefix, and the template drops the answer's
+    thinking, so the next prompt parts from the cache right after "<|im_start|>assistant\n": the
+    cache is kept as it was there, and the next turn goes on from it (every turn reuses all the
+    conversation up to that answer). Each reply equals a fresh run of its whole prompt."""
     folder = qwen35(tied=False)
-    r = run_cli("--model", str(folder), "--chat", "-m", "6", stdin=b"Hello there\nAnd Japan?\n")
+    flags = [] if think else ["--no-think"]
+    r = run_cli("--model", str(folder), "--chat", "-m", "6", *flags,
+                stdin=b"Hello there\nAnd Japan?\nAnd Korea?\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     li.load(folder)
-    ids1 = tokenizer.encode(li.chat_prompt(["Hello there"])).ids
-    reply1 = tokenizer.decode(list(li.generate(ids1, max_tokens=6)))
-    ids2 = tokenizer.encode(li.chat_prompt(["Hello there", reply1, "And Japan?"])).ids
-    assert f"[KV cache: 0 tokens reused, {len(ids2)} new to prefill]" in r.stdout
-    reply2 = "".join(piece for _, piece in li.stream_text(li.generate(ids2, max_tokens=6)))
-    assert "==========\n" + reply2 + "\n==========" in r.stdout.split("[KV cache: 0 tokens")[2]
+    turns, parts, previous = [], r.stdout.split("[KV cache: ")[1:], []
+    opening = len(tokenizer.encode(li.chat_prompt([""], None, think)
+                                   .split("<|im_start|>assistant\n")[-1]).ids)  # <think>...
+    for n, (line, part) in enumerate(zip(["Hello there", "And Japan?", "And Korea?"], parts)):
+        turns.append(line)
+        ids = tokenizer.encode(li.chat_prompt(turns, None, think)).ids
+        reused = len(previous) - opening if previous else 0  # all of the last prompt but that
+        assert ids[:reused] == previous[:reused]
+        assert part.startswith(f"{reused} tokens reused, {len(ids) - reused} new to prefill]")
+        previous = ids
+        answer = list(li.generate(ids, max_tokens=6))
+        text = "".join(piece for _, piece in li.stream_text(answer))
+        assert "==========\n" + text + "\n==========" in part
+        turns.append(tokenizer.decode(answer))
 
 
 @pytest.mark.parametrize("system", [None, "  You are terse. 🙂\n"])
