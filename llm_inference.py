@@ -267,7 +267,7 @@ def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None,
         yield token.item()
         token, finite = upcoming
 
-# ═══ Part II — what the article leaves out: quantised weights, Qwen3.5, and what comes next ═══
+# ═══ Part II — what the article leaves out: quantised weights, Qwen3.5, MTP, batching ═══
 # ═══ Quantised weights — a number in 4 or 8 bits, a scale and a bias for each group of 64 ═══
 def dequantize(packed, scales, biases, bits):
     """MLX's affine quantisation undone: a row of packed (uint32) is a little-endian stream of
@@ -397,21 +397,22 @@ def delta_step(state, q, k, v, decay, beta):
 # [next, draft], and where its own choice after `next` equals the draft, both stand and the second
 # row gives one more token for free. The rule (mlx-lm's): every token emitted is the model's own
 # choice at its position (its argmax, or its own sample), and a draft only saves the pass that
-# would have made it; so the tokens are exactly generate()'s, and sampling keeps exactly the
+# would have made it; so greedy tokens are exactly generate()'s, and sampling keeps exactly the
 # model's distribution (the article's "a little quality" is not lost here). Drafts come from
 # Qwen3.5's MTP head, or, for any model, from the text so far (prompt lookup).
 SNAPSHOTS = None  # while a dict: delta_memory() keeps each layer's state after each token there
 
-def mtp_logits(tokens, hidden, mtp_cache, start):
+def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
     """Qwen3.5's MTP head: ids x_{t+1} (L,) and the model's last hidden states h_t (L, D), after
     its final norm, at positions start.. -> logits (L, vocab) for x_{t+2}. Its layer is one of
     Qwen3.5's full-attention layers (read as layer N_LAYERS) with its own KV cache; its LM head
-    is the model's."""
+    is the model's. first: the first position its cache holds (a continued cache starts later)."""
     e = rms_norm(embed(tokens), W["mtp.pre_fc_norm_embedding.weight"], EPS)  # (L, 1024)
     h = rms_norm(hidden, W["mtp.pre_fc_norm_hidden.weight"], EPS)     # (L, 1024)
     x = linear(mx.concatenate([e, h], axis=-1), "mtp.fc")             # (L, 1024) from (L, 2048)
     positions = mx.arange(start, start + x.shape[0])                  # h_t's: the draft's is t
-    visible = mx.arange(start + x.shape[0])[None, :] <= positions[:, None]
+    keys = mx.arange(start + x.shape[0])[None, :]                    # (1, S)
+    visible = (keys <= positions[:, None]) & (keys >= first)          # (L, S)
     x = transformer_block(x, N_LAYERS, mtp_cache, start, None, visible)  # (L, 1024)
     return linear(rms_norm(x, W["mtp.norm.weight"], EPS), "lm_head")  # (L, vocab)
 
@@ -441,8 +442,9 @@ def hidden_pass(token_ids, cache, start, lens=None):
 def generate_draft(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, draft="mtp", k=1,
                    cache=None, start=0, hidden=None, counts=None):
     """generate(), with k ids drafted ahead (by the MTP head, or by prompt lookup) and checked in
-    one pass: the same ids as generate(). hidden: hidden_pass()'s, if it ran the prompt in.
-    counts: a dict, given "drafted" and "accepted"."""
+    one pass: greedy, the same ids as generate(); sampled, the same distribution. hidden:
+    hidden_pass()'s, if it ran the prompt in. counts: a dict, given "drafted" and "accepted".
+    A continued cache (start > 0): the head's own cache and the lookup see this call's ids only."""
     global SNAPSHOTS
     cache = [None] * N_LAYERS if cache is None else cache
     counts = {} if counts is None else counts
@@ -451,8 +453,10 @@ def generate_draft(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, draft
     hidden = hidden_pass(prompt_ids, cache, start) if hidden is None else hidden  # (L, 1024)
     logits = linear(hidden[-1:], "lm_head")[-1]                       # (vocab,) the next id's
     mtp_cache, history = [None] * (N_LAYERS + 1), list(prompt_ids)
-    if draft == "mtp" and len(prompt_ids) > 1:  # the head's cache over the prompt, shifted by one:
-        mx.eval(mtp_logits(mx.array(prompt_ids[1:]), hidden[:-1], mtp_cache, start), mtp_cache)
+    for i in range(0, len(prompt_ids) - 1 if draft == "mtp" else 0, CHUNK):  # the head's cache
+        ids = mx.array(prompt_ids[i + 1:i + 1 + CHUNK])  # over the prompt, shifted by one token
+        mtp_logits(ids, hidden[i:i + len(ids)], mtp_cache, start + i, start)
+        mx.eval(mtp_cache)
     pos, end = start + len(prompt_ids), min(start + len(prompt_ids) + max_tokens, MAX_POS)
     token, rows, at = sample(logits, temperature, top_p).item(), hidden[-1:], pos - 1
     while pos < end:  # token: the model's id at pos, not in the cache yet; rows: h_at .. h_pos-1
@@ -466,7 +470,8 @@ def generate_draft(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, draft
             forward([token], cache, pos)  # into the cache, as generate() leaves it
             return
         if draft == "mtp":  # the head reads (x_t+1, h_t) from at on: the ids it has not seen
-            guess = mtp_logits(mx.array(history[at + 1 - start:] + [token]), rows, mtp_cache, at)
+            guess = mtp_logits(mx.array(history[at + 1 - start:] + [token]), rows, mtp_cache, at,
+                               start)
             proposal = mx.argmax(guess[-1:], axis=-1)                 # (1,) its id, lazy
         else:
             proposal = mx.array(lookup_draft(history + [token], k), mx.uint32)  # (k,) or (0,)
@@ -500,17 +505,18 @@ def generate_draft(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, draft
 # on memory; multiplied by B rows, the same weights cost little more, for B tokens. Here B
 # sequences decode together: one pass over B tokens, each at its own position, so that every
 # projection and feed-forward multiplies its weights by B rows at once. Each sequence keeps the
-# article's cache, a list of one tuple per layer, and only attention reads them row by row: no
-# padding and no mask between rows, and a row that joins or leaves copies nothing. The price is
-# attention's few small kernels once per row (mlx-lm pads all rows into one array per layer).
+# article's cache, a list of one tuple per layer, and only attention (and Qwen3.5's DeltaNet)
+# reads them row by row: no padding and no mask between rows, and a row that joins or leaves
+# copies nothing. The price: those few small kernels once per row (mlx-lm pads all rows into one
+# array per layer).
 
 def attend_rows(caches, layer_idx, q, k, v, starts):
     """q, k, v (B, heads, hd): row b is one token of sequence b, at position starts[b], with its
     own cache caches[b] -> (B, heads * hd): Step 5's cache_write() and attend(), row by row."""
-    rows = []
+    rows, seen = [], mx.array([[True]])  # one query sees every key before it: no mask needed
     for b, start in enumerate(starts):
         keys, values = cache_write(caches[b], layer_idx, k[b:b + 1], v[b:b + 1], start)
-        rows.append(attend(q[b:b + 1], keys, values, mx.ones((1, start + 1), mx.bool_)))
+        rows.append(attend(q[b:b + 1], keys, values, seen))
     return mx.concatenate(rows)                                       # (B, 2048)
 
 def forward_batch(token_ids, caches, starts):
@@ -526,7 +532,7 @@ def generate_batch(prompts, max_tokens=100, temperature=0.0, top_p=1.0, batch_si
     """Yield (i, id) for the tokens of prompts[i] (lists of ids), each as generate() gives it alone.
     Up to batch_size sequences decode together; one that ends (EOS, max_tokens, the context's end)
     leaves, and the next waiting prompt is prefilled alone and joins: continuous batching. ended:
-    a list, given (i, cache, positions held) as each sequence leaves."""
+    a list, given (i, cache, positions it holds) as each sequence leaves."""
     waiting, rows = list(enumerate(prompts))[::-1], []  # rows: the sequences decoding now
     while waiting or rows:
         while waiting and len(rows) < batch_size:  # a free row: the next prompt, prefilled alone
@@ -560,7 +566,7 @@ def generate_batch(prompts, max_tokens=100, temperature=0.0, top_p=1.0, batch_si
             if token in EOS_IDS or row["pos"] + 1 >= row["end"]:  # it leaves: room for the next
                 rows.remove(row)
                 if ended is not None:
-                    ended.append((row["i"], row["cache"], row["pos"] + (token not in EOS_IDS)))
+                    ended.append((row["i"], row["cache"], row["pos"]))  # the last id not in it
             else:
                 (row["token"], row["finite"]), row["pos"] = row.pop("next"), row["pos"] + 1
 
@@ -790,8 +796,8 @@ def qwen35_config(cfg, path):
     return {**{name: cfg[name] for name in QWEN35_CONFIG}, "mtp": mtp}
 
 def qwen35_weights(weights):
-    """Hugging Face's checkpoint (its convolution (C, 1, K)) stores its norms (five kinds, and the
-    MTP head's two more) as offsets from 1,
+    """Hugging Face's checkpoint (its convolution (C, 1, K)) stores its norms (five kinds, and
+    three of the MTP head's own) as offsets from 1,
     not the DeltaNet's: they become gains, 1 added in the stored dtype, before any --dtype, as
     mlx-lm does (transformers adds it in float32: on bfloat16 weights the two differ by one
     rounding of each gain, a few 1e-2 in the logits). mlx-lm's conversions (C, K, 1) hold gains."""
@@ -1093,17 +1099,20 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None):
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
     hidden, states, counts = [] if args.explain else None, None, {}
     tic = time.perf_counter()
+    mark, saved = keep or (start, None)  # the prompt in two parts, the cache kept between
+    head, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
+    states = hidden_pass(head, cache, start) if args.draft and head else None  # (for the head)
+    if head and not args.draft:
+        prefill(head, cache, start)                                   # its logits never computed
+    if saved is not None:  # a DeltaNet state is a new array at every token; the KV buffers are
+        mx.eval(cache)     # written over after mark, before anything reads them
+        saved[:] = list(cache)
     if args.draft:  # every token's hidden state kept, for the MTP head
-        states = hidden_pass(prompt_ids, cache, start, hidden)        # (L, 1024)
+        more = hidden_pass(rest, cache, mark, hidden)                 # (L, 1024)
+        states = more if states is None else mx.concatenate([states, more])
         logits = linear(states[-1:], "lm_head")[-1]                   # (vocab,)
-    elif keep:  # up to the position, then the rest
-        mark, saved = keep
-        prefill(prompt_ids[:mark - start], cache, start)              # its logits never computed
-        mx.eval(cache)
-        saved[:] = list(cache)  # a DeltaNet state is a new array at every token; the KV buffers
-        logits = prefill(prompt_ids[mark - start:], cache, mark, hidden)  # are written over later
     else:
-        logits = prefill(prompt_ids, cache, start, hidden)            # (vocab,)
+        logits = prefill(rest, cache, mark, hidden)                   # (vocab,)
     if args.explain:
         explain(prompt_ids, hidden)
     if args.explain or args.show_probs:
@@ -1151,6 +1160,8 @@ def reply_batch(texts, args):
     if max(len(ids) for ids in prompts) >= MAX_POS:
         raise UserError(f"a prompt is {max(len(ids) for ids in prompts)} tokens; the context "
                         f"holds {MAX_POS}")
+    if max(len(ids) for ids in prompts) + args.max_tokens > MAX_POS:
+        print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
     tic, done, ended = time.perf_counter(), [[] for _ in prompts], []
     for n, (i, token) in enumerate(generate_batch(prompts, args.max_tokens, args.temperature,
                                                   args.top_p, args.batch_size, ended), 1):
@@ -1201,7 +1212,7 @@ def converse(args):
         # one right after "<|im_start|>assistant\n": Qwen3.5's cache is kept as it is there.
         mark = len(prompt_ids) - len(tokenize(chat_prompt([""], None, not args.no_think)
                                               .split("<|im_start|>assistant\n")[-1]))
-        saved = [] if QWEN35 and not args.draft and mark > reused else None
+        saved = [] if QWEN35 and mark > reused else None
         generated = reply(prompt_ids[reused:], args, cache, reused,
                           keep=None if saved is None else (mark, saved))
         turns.append(TOK.decode(generated))

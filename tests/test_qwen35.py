@@ -205,14 +205,14 @@ def test_command_line_plain_explain_and_memories(qwen35, tokenizer):
             f"allocated)\nDeltaNet state: 3 layers, {states / 1e6:.3f} MB at any length") in plain.stdout
 
 
-@pytest.mark.parametrize("think", [True, False])
-def test_conversation_turn_equals_a_fresh_run(qwen35, tokenizer, think):
+@pytest.mark.parametrize("think, draft", [(True, []), (False, []), (True, ["--draft", "mtp"])])
+def test_conversation_turn_equals_a_fresh_run(qwen35, tokenizer, think, draft):
     """A recurrent state cannot be cut back to a common prefix, and the template drops the answer's
     thinking, so the next prompt parts from the cache right after "<|im_start|>assistant\n": the
     cache is kept as it was there, and the next turn goes on from it (every turn reuses all the
     conversation up to that answer). Each reply equals a fresh run of its whole prompt."""
     folder = qwen35(tied=False)
-    flags = [] if think else ["--no-think"]
+    flags = ([] if think else ["--no-think"]) + draft  # drafting: the same ids, the same reuse
     r = run_cli("--model", str(folder), "--chat", "-m", "6", *flags,
                 stdin=b"Hello there\nAnd Japan?\nAnd Korea?\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
