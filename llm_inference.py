@@ -942,7 +942,9 @@ def progress_of(name):
     """The tqdm_class that shows one file (huggingface_hub makes one bar per try of the file)."""
     return PROGRESS.setdefault(name, type("Progress", (Progress,), {"file": name, "received": 0}))
 
-def fetch(repo, name, local_dir, tries=3):
+TRIES = 3  # a file whose connection is reset mid-way is fetched this many times at most
+
+def fetch(repo, name, local_dir, tries=TRIES):
     """One file, shown by its Progress; a connection reset mid-file is tried again from the
     start (huggingface_hub resumes a closed or stalled one itself), up to tries times -> its path"""
     from huggingface_hub import hf_hub_download
@@ -1007,7 +1009,8 @@ def download_trouble(error, name, local_dir):
         if isinstance(e, OfflineModeIsEnabled):
             return "offline: HF_HUB_OFFLINE is set"
         if isinstance(e, ConnectionResetError):
-            return f"the connection was reset after {human(progress_of(name).received)}, 3 times"
+            return (f"the connection was reset after {human(progress_of(name).received)}, "
+                    f"{TRIES} times")
         if isinstance(e, (ConnectionError, socket.gaierror)):  # refused, no route, no such host
             return f"{constants.ENDPOINT} could not be reached"
         if isinstance(e, TimeoutError):
@@ -1122,11 +1125,12 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None):
         raise not_finite("after the prompt", logits.dtype)
     print("=" * 10 + "\n" + echo, end="", flush=True)
     generated, first = [], None
-    tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache, start,
-                      logits)
     if args.draft:
         tokens = generate_draft(prompt_ids, args.max_tokens, args.temperature, args.top_p,
                                 args.draft, args.num_draft_tokens, cache, start, states, counts)
+    else:
+        tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache,
+                          start, logits)
     for token, piece in stream_text(tokens):
         first = first or time.perf_counter()  # the first token ends the prefill
         generated.append(token)
