@@ -531,18 +531,21 @@ def forward_batch(token_ids, caches, starts):
 def generate_batch(prompts, max_tokens=100, temperature=0.0, top_p=1.0, batch_size=8, ended=None):
     """Yield (i, id) for the tokens of prompts[i] (lists of ids), each as generate() gives it alone.
     Up to batch_size sequences decode together; one that ends (EOS, max_tokens, the context's end)
-    leaves, and the next waiting prompt is prefilled alone and joins: continuous batching. ended:
-    a list, given (i, cache, positions it holds) as each sequence leaves."""
+    leaves, and the next waiting prompt fills its cache alone and joins: continuous batching.
+    ended: a list, given (i, cache, positions it holds) as each sequence leaves."""
     waiting, rows = list(enumerate(prompts))[::-1], []  # rows: the sequences decoding now
     while waiting or rows:
-        while waiting and len(rows) < batch_size:  # a free row: the next prompt, prefilled alone
+        while waiting and len(rows) < batch_size:  # a free row: the next prompt
             i, ids = waiting.pop()
-            cache = [None] * N_LAYERS
-            logits = prefill(ids, cache)                              # (vocab,)
-            token, finite = sample(logits, temperature, top_p), mx.isfinite(logits).all()
-            mx.async_eval(token, finite)  # its first token comes from its own prefill
-            rows.append({"i": i, "cache": cache, "pos": len(ids), "token": token,
-                         "finite": finite, "end": min(len(ids) + max_tokens, MAX_POS)})
+            cache, head = [None] * N_LAYERS, ids[:-1]
+            for c in range(0, len(head), CHUNK):  # Step 9's prefill(), all but the last id
+                forward(head[c:c + CHUNK], cache, c)
+                mx.eval(cache)
+            # Its last id rides in the next batch pass, at its own position: that row's logits are
+            # its prompt's, so its first token is its own, and the weights are read once for all
+            # rows (a pass of its own would read them all again, lm_head too, for one row).
+            rows.append({"i": i, "cache": cache, "pos": len(head), "token": mx.array(ids[-1]),
+                         "fresh": True, "end": min(len(ids) + max_tokens, MAX_POS)})
         going = [row for row in rows if row["pos"] + 1 < row["end"]]  # a next token is wanted
         if going:  # the next step, queued before this one's tokens are looked at (as generate())
             tokens = mx.stack([row["token"] for row in going])        # (B,)
@@ -557,11 +560,14 @@ def generate_batch(prompts, max_tokens=100, temperature=0.0, top_p=1.0, batch_si
             for b, row in enumerate(going):
                 row["next"] = upcoming[b], finite[b]
         for row in list(rows):
-            if not row["finite"].item():
-                raise FloatingPointError(f"the logits of prompt {row['i'] + 1} are not finite "
-                                         "(NaN or inf): the activations overflow the dtype")
-            token = row["token"].item()
-            if token not in EOS_IDS:
+            fresh = row.pop("fresh", False)  # its token is its prompt's last id: not one to yield
+            if not fresh and not row["finite"].item():  # as generate() says it
+                dtype = str(logits.dtype).split(".")[-1]
+                raise FloatingPointError(f"the logits of prompt {row['i'] + 1} are not finite (NaN"
+                                         f" or inf) in {dtype}: the activations overflow it; "
+                                         "compute in float32")
+            token = None if fresh else row["token"].item()
+            if token is not None and token not in EOS_IDS:
                 yield row["i"], token
             if token in EOS_IDS or row["pos"] + 1 >= row["end"]:  # it leaves: room for the next
                 rows.remove(row)

@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 
 import llm_inference as li
-from test_cli_errors import assert_error, run_cli
+from test_cli_errors import assert_error, overflowing, run_cli  # noqa: F401 (a fixture)
 from test_quantized import quantized  # noqa: F401 (the fixture)
 
 TEXTS = ["The capital of France is", "Once", "def f(x):\n    return x * 2  # code, too",
@@ -51,12 +51,13 @@ def test_rows_ending_at_different_times_leave_the_batch(checkpoint, monkeypatch)
 
     monkeypatch.setattr(li, "forward_batch", counting)
     assert batched(prompts[:3], 12, 3) == expected[:3]
-    # Like generate(), each step is queued before the tokens it follows are looked at: the step
-    # after the EOS (call j) still holds the row, the next one no longer.
-    assert sizes[:j + 1] == [3] * (j + 1) and sizes[j + 1] == 2
+    # Call 0 runs the prompts' last ids, call n + 1 makes token n + 1. Like generate(), each step
+    # is queued before the tokens it follows are looked at: the step after the EOS (call j + 1)
+    # still holds the row, the next one no longer.
+    assert sizes[:j + 2] == [3] * (j + 2) and sizes[j + 2] == 2
     sizes.clear()
-    assert batched(prompts, 12, 3) == expected  # prompt 4 joins where prompt 2 left
-    assert sizes[j + 1] == 3
+    assert batched(prompts, 12, 3) == expected  # prompt 4 joins where prompt 2 left: its last id
+    assert sizes[j + 2] == 3  # rides in the next pass with the others' tokens
 
 
 def test_a_row_at_the_contexts_end(checkpoint):
@@ -145,3 +146,50 @@ def test_flags_that_do_not_go_together(checkpoint, tmp_path):
                  "empty.txt has no prompt (one a line)")
     assert_error(run_cli("--model", folder, "--prompts", str(tmp_path / "missing.txt")),
                  "lacks missing.txt")
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen35"])
+def test_prompts_longer_than_a_chunk(checkpoint, qwen35, monkeypatch, model):
+    """A joining prompt fills its cache CHUNK at a time (made 4 here), all but its last id, which
+    goes into the next batch pass beside the other rows' tokens."""
+    li.load(checkpoint() if model == "qwen3" else qwen35())
+    monkeypatch.setattr(li, "CHUNK", 4)
+    prompts = [li.tokenize(t) for t in TEXTS[:5]]
+    assert max(len(ids) for ids in prompts) > 3 * 4
+    assert batched(prompts, 8, 2) == alone(prompts, 8)
+
+
+@pytest.mark.parametrize("call, n_good", [(0, 0), (3, 3)])
+def test_a_row_whose_logits_are_not_finite(checkpoint, monkeypatch, call, n_good):
+    """A NaN in row 2's logits, at its first token (call 0) or its fourth (call 3): generate_batch()
+    says which prompt, and no token from those logits comes out; the tokens before it are right."""
+    li.load(checkpoint())
+    prompts = [li.tokenize(t) for t in TEXTS[:3]]
+    expected, calls, forward_batch = alone(prompts, 8), [], li.forward_batch
+
+    def poisoned(token_ids, caches, starts):
+        logits = forward_batch(token_ids, caches, starts)            # (3, vocab)
+        calls.append(len(calls))
+        if len(calls) - 1 == call:
+            logits = mx.where(mx.arange(3)[:, None] == 1, mx.nan, logits)
+        return logits
+
+    monkeypatch.setattr(li, "forward_batch", poisoned)
+    out = [[] for _ in prompts]
+    with pytest.raises(FloatingPointError, match=r"^the logits of prompt 2 are not finite \(NaN "
+                       r"or inf\) in float32: the activations overflow it; compute in float32$"):
+        for i, token in li.generate_batch(prompts, max_tokens=8, batch_size=3):
+            out[i].append(token)
+    assert out[1] == expected[1][:n_good]
+    assert all(ids == expected[i][:len(ids)] for i, ids in enumerate(out))
+
+
+def test_overflowing_rows_through_the_command_line(overflowing):
+    """float16 activations that overflow, several prompts: one line naming the first prompt whose
+    logits are not finite and the dtype, exit 1, and not a word of any completion."""
+    folder = str(overflowing)
+    assert run_cli("--model", folder, "-p", "a", "-p", "b", "-m", "3").returncode == 0
+    r = run_cli("--model", folder, "-p", "a", "-p", "b", "-m", "3", "--dtype", "float16")
+    assert_error(r, "the logits of prompt 1 are not finite (NaN or inf) in float16: the "
+                 "activations overflow it; compute in float32 (--dtype float32)")
+    assert "==========" not in r.stdout  # the model's line only, no completion
