@@ -228,6 +228,11 @@ def prefill(prompt_ids, cache, start=0, hidden=None):
         mx.eval(cache)
     return forward([last], cache, start + len(head), hidden)[-1]      # (vocab,)
 
+def not_finite(where, dtype):  # the weights are finite (load checks them): the numbers overflowed
+    name = str(dtype).split(".")[-1]  # float16, not mlx.core.float16
+    return FloatingPointError(f"the logits {where} are not finite (NaN or inf) in {name}: the "
+                              "activations overflow it; compute in float32")
+
 def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None, start=0,
              logits=None):
     """Yield up to max_tokens ids after prompt_ids, stopping before any EOS id and at the context's
@@ -257,10 +262,7 @@ def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None,
         if pos + 1 < end:
             mx.async_eval(upcoming)
         if not finite.item():  # NaN or inf: the numbers overflowed the dtype
-            dtype = str(logits.dtype).split(".")[-1]  # float16, not mlx.core.float16
-            raise FloatingPointError(f"the logits for token {pos - first + 1} are not finite (NaN "
-                                     f"or inf) in {dtype}: the activations overflow it; compute "
-                                     "in float32")
+            raise not_finite(f"for token {pos - first + 1}", logits.dtype)
         if token.item() in EOS_IDS:
             cache[:] = before
             return
@@ -461,8 +463,7 @@ def generate_draft(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, draft
     token, rows, at = sample(logits, temperature, top_p).item(), hidden[-1:], pos - 1
     while pos < end:  # token: the model's id at pos, not in the cache yet; rows: h_at .. h_pos-1
         if not mx.isfinite(logits).all().item():
-            raise FloatingPointError(f"the logits at position {pos} are not finite (NaN or inf): "
-                                     "the activations overflow the dtype")
+            raise not_finite(f"at position {pos}", logits.dtype)
         if token in EOS_IDS:
             return
         yield token
@@ -545,7 +546,7 @@ def generate_batch(prompts, max_tokens=100, temperature=0.0, top_p=1.0, batch_si
             # its prompt's, so its first token is its own, and the weights are read once for all
             # rows (a pass of its own would read them all again, lm_head too, for one row).
             rows.append({"i": i, "cache": cache, "pos": len(head), "token": mx.array(ids[-1]),
-                         "fresh": True, "end": min(len(ids) + max_tokens, MAX_POS)})
+                         "end": min(len(ids) + max_tokens, MAX_POS)})
         going = [row for row in rows if row["pos"] + 1 < row["end"]]  # a next token is wanted
         if going:  # the next step, queued before this one's tokens are looked at (as generate())
             tokens = mx.stack([row["token"] for row in going])        # (B,)
@@ -560,12 +561,9 @@ def generate_batch(prompts, max_tokens=100, temperature=0.0, top_p=1.0, batch_si
             for b, row in enumerate(going):
                 row["next"] = upcoming[b], finite[b]
         for row in list(rows):
-            fresh = row.pop("fresh", False)  # its token is its prompt's last id: not one to yield
-            if not fresh and not row["finite"].item():  # as generate() says it
-                dtype = str(logits.dtype).split(".")[-1]
-                raise FloatingPointError(f"the logits of prompt {row['i'] + 1} are not finite (NaN"
-                                         f" or inf) in {dtype}: the activations overflow it; "
-                                         "compute in float32")
+            fresh = row["pos"] < len(prompts[row["i"]])  # its token: its prompt's last id
+            if not fresh and not row["finite"].item():
+                raise not_finite(f"of prompt {row['i'] + 1}", logits.dtype)
             token = None if fresh else row["token"].item()
             if token is not None and token not in EOS_IDS:
                 yield row["i"], token
@@ -856,9 +854,6 @@ def read_tokenizer(model_dir, cfg):
 def dtype_name(dtype):
     return str(dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
 
-def not_finite(where, dtype):  # the weights are finite (load checks them): the numbers overflowed
-    return UserError(f"the logits {where} are not finite (NaN or inf) in {dtype_name(dtype)}: the "
-                     "activations overflow it; compute in float32 (--dtype float32)")
 
 def model_folder(model):
     """--model -> the folder to load. A local folder as it is (load_checked() names what it lacks);
@@ -1167,10 +1162,10 @@ def reply_batch(texts, args):
     """Several prompts, one continuous batch (generate_batch()): each completion after its prompt,
     in the prompts' order; at a terminal, a progress line meanwhile; then the batch's statistics."""
     prompts = [chat_prompt_ids([t], args) if args.chat else tokenize(t) for t in texts]
-    if max(len(ids) for ids in prompts) >= MAX_POS:
-        raise UserError(f"a prompt is {max(len(ids) for ids in prompts)} tokens; the context "
-                        f"holds {MAX_POS}")
-    if max(len(ids) for ids in prompts) + args.max_tokens > MAX_POS:
+    longest = max(len(ids) for ids in prompts)
+    if longest >= MAX_POS:
+        raise UserError(f"a prompt is {longest} tokens; the context holds {MAX_POS}")
+    if longest + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
     tic, done, ended = time.perf_counter(), [[] for _ in prompts], []
     for n, (i, token) in enumerate(generate_batch(prompts, args.max_tokens, args.temperature,
@@ -1356,7 +1351,7 @@ if __name__ == "__main__":
     except UserError as e:  # the user's flags, files or numbers: one line; a bug, its traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.status)
-    except FloatingPointError as e:  # generate()'s: the logits overflowed the dtype
+    except FloatingPointError as e:  # not_finite()'s: the logits overflowed the dtype
         print(f"error: {e} (--dtype float32)", file=sys.stderr)
         sys.exit(1)
     except OSError as e:  # print() on a full disk (> /dev/full); downloads name their own
