@@ -201,22 +201,28 @@ def forward(token_ids, cache, start, hidden=None):  # hidden: a list, given x af
             hidden.append(x)
     return lm_head(x)                                                 # (L, 151936)
 
-def sample(logits, temperature=0.0, top_p=1.0):
-    """logits (vocab,) (or (L, vocab): its last row) -> the next id: temperature 0, the likeliest;
-    else softmax(logits / T) over the fewest likeliest tokens reaching top_p (the article's default
-    0.95; 1.0, no cut, is mlx-lm's), in float32. The article slices and returns an int; this masks
-    and returns a lazy 0-d array, so that generate() can queue the next step (Step 9)."""
-    logits = logits.reshape(-1, logits.shape[-1])[-1]                 # (vocab,)
+def sample(logits, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0):
+    """logits (..., vocab) -> the next id of each row (...): temperature 0, the likeliest; else a
+    draw from softmax(logits / T), each row its own, among the fewest likeliest tokens reaching
+    top_p (the article's default 0.95; 1.0, no cut, is mlx-lm's), at most top_k of them (0: no
+    limit), none under min_p x the likeliest one's probability; in float32. The article slices
+    and returns an int; this masks and returns a lazy array, so that generate() can queue the
+    next step (Step 9). A sampler: this with its options fixed, partial(sample, temperature=...)."""
     if temperature == 0:
-        return mx.argmax(logits)                                      # ()
-    logits = logits.astype(mx.float32) / temperature                  # (vocab,) temperature first
-    probs = mx.softmax(logits)                                        # (vocab,)
-    order = mx.argsort(-probs)                                        # (vocab,) likeliest first
-    sorted_probs = probs[order]                                       # (vocab,)
-    mass_before = mx.cumsum(sorted_probs, inclusive=False)            # (vocab,) of likelier ones
-    keep = mass_before < top_p                                        # (vocab,) the top one always
-    masked = mx.where(keep, logits[order], -mx.inf)                   # (vocab,)
-    return order[mx.random.categorical(masked)]                       # ()
+        return mx.argmax(logits, axis=-1)                             # (...)
+    logits = logits.astype(mx.float32) / temperature                  # (..., vocab) T first
+    probs = mx.softmax(logits, axis=-1)                               # (..., vocab)
+    order = mx.argsort(-probs, axis=-1)                               # (..., vocab) likeliest first
+    sorted_probs = mx.take_along_axis(probs, order, axis=-1)          # (..., vocab)
+    mass_before = mx.cumsum(sorted_probs, axis=-1, inclusive=False)   # (..., vocab) of likelier ones
+    keep = mass_before < top_p                                        # (..., vocab) the top one too
+    if top_k:
+        keep = keep & (mx.arange(keep.shape[-1]) < top_k)             # only the top_k likeliest
+    if min_p:
+        keep = keep & (sorted_probs >= min_p * sorted_probs[..., :1])  # none far below the top
+    masked = mx.where(keep, mx.take_along_axis(logits, order, axis=-1), -mx.inf)  # (..., vocab)
+    picked = mx.random.categorical(masked, axis=-1)                   # (...) a place in order
+    return mx.take_along_axis(order, picked[..., None], axis=-1)[..., 0]  # (...) its id
 
 # ═══ Step 9. Generate — read the prompt once, then write one token at a time ═══
 def prefill(prompt_ids, cache, start=0, hidden=None):
@@ -233,11 +239,11 @@ def not_finite(where, dtype):  # the weights are finite (load checks them): the 
     return FloatingPointError(f"the logits {where} are not finite (NaN or inf) in {name}: the "
                               "activations overflow it; compute in float32")
 
-def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None, start=0,
-             logits=None):
+def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, logits=None):
     """Yield up to max_tokens ids after prompt_ids, stopping before any EOS id and at the context's
-    end; cache, start: a cache and how much of it to keep; logits: the prompt's, if prefill() ran
-    it in. On return the cache holds the prompt and every id yielded."""
+    end. sampler: sample, or it with its options fixed (as it is: greedy); cache, start: a cache
+    and how much of it to keep; logits: the prompt's, if prefill() ran it in. On return the cache
+    holds the prompt and every id yielded."""
     if isinstance(prompt_ids, str):  # the article's generate() takes text and returns text
         raise TypeError("generate() takes ids: TOK.decode(list(generate(tokenize(text))))")
     cache = [None] * N_LAYERS if cache is None else cache
@@ -253,12 +259,12 @@ def generate(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, cache=None,
     # computes n + 1. So a token is in the cache before we know it is EOS; if it is, the cache is
     # set back to its tuples before that step (a KV buffer, written in place, keeps the position,
     # but nothing reads it before it is written over; a DeltaNet state is a new array).
-    token, finite = sample(logits, temperature, top_p), mx.isfinite(logits).all()  # () ()
+    token, finite = sampler(logits), mx.isfinite(logits).all()       # () ()
     mx.async_eval(token, finite)
     for pos in range(first, end):
         before = list(cache)
         logits = forward(token[None], cache, pos)[-1]                 # (vocab,)
-        upcoming = sample(logits, temperature, top_p), mx.isfinite(logits).all()
+        upcoming = sampler(logits), mx.isfinite(logits).all()
         if pos + 1 < end:
             mx.async_eval(upcoming)
         if not finite.item():  # NaN or inf: the numbers overflowed the dtype
@@ -441,8 +447,8 @@ def hidden_pass(token_ids, cache, start, lens=None):
         lens.extend(x[-1:] for x in blocks)
     return mx.concatenate(rows)                                       # (L, 1024)
 
-def generate_draft(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, draft="mtp", k=1,
-                   cache=None, start=0, hidden=None, counts=None):
+def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1, cache=None,
+                   start=0, hidden=None, counts=None):
     """generate(), with k ids drafted ahead (by the MTP head, or by prompt lookup) and checked in
     one pass: greedy, the same ids as generate(); sampled, the same distribution. hidden:
     hidden_pass()'s, if it ran the prompt in. counts: a dict, given "drafted" and "accepted".
@@ -460,7 +466,7 @@ def generate_draft(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, draft
         mtp_logits(ids, hidden[i:i + len(ids)], mtp_cache, start + i, start)
         mx.eval(mtp_cache)
     pos, end = start + len(prompt_ids), min(start + len(prompt_ids) + max_tokens, MAX_POS)
-    token, rows, at = sample(logits, temperature, top_p).item(), hidden[-1:], pos - 1
+    token, rows, at = sampler(logits).item(), hidden[-1:], pos - 1
     while pos < end:  # token: the model's id at pos, not in the cache yet; rows: h_at .. h_pos-1
         if not mx.isfinite(logits).all().item():
             raise not_finite(f"at position {pos}", logits.dtype)
@@ -482,10 +488,7 @@ def generate_draft(prompt_ids, max_tokens=100, temperature=0.0, top_p=1.0, draft
         logits = forward(mx.concatenate([mx.array([token], mx.uint32), proposal]), cache, pos,
                          blocks)                                      # (1 + k, vocab) one pass
         snapshots, SNAPSHOTS = SNAPSHOTS, None
-        if temperature == 0:
-            choices = mx.argmax(logits, axis=-1)                      # (1 + k,) the model's own
-        else:
-            choices = mx.stack([sample(row, temperature, top_p) for row in logits])
+        choices = sampler(logits)                                     # (1 + k,) the model's own
         drafts, choices = proposal.tolist(), choices.tolist()
         n = 0  # accepted: the drafts equal to the model's own choice, up to the first that is not
         while n < len(drafts) and choices[n] == drafts[n] and drafts[n] not in EOS_IDS:
@@ -529,7 +532,7 @@ def forward_batch(token_ids, caches, starts):
         x = transformer_block(x, i, caches, starts, rope, None)       # (B, 1024)
     return lm_head(x)                                                 # (B, 151936)
 
-def generate_batch(prompts, max_tokens=100, temperature=0.0, top_p=1.0, batch_size=8, ended=None):
+def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=None):
     """Yield (i, id) for the tokens of prompts[i] (lists of ids), each as generate() gives it alone.
     Up to batch_size sequences decode together; one that ends (EOS, max_tokens, the context's end)
     leaves, and the next waiting prompt fills its cache alone and joins: continuous batching.
@@ -553,10 +556,7 @@ def generate_batch(prompts, max_tokens=100, temperature=0.0, top_p=1.0, batch_si
             logits = forward_batch(tokens, [row["cache"] for row in going],
                                    [row["pos"] for row in going])     # (B, vocab)
             finite = mx.isfinite(logits).all(axis=-1)                 # (B,)
-            if temperature == 0:  # Step 8's greedy choice, every row at once
-                upcoming = mx.argmax(logits, axis=-1)                 # (B,)
-            else:
-                upcoming = mx.stack([sample(row, temperature, top_p) for row in logits])
+            upcoming = sampler(logits)                                # (B,) each row its own
             mx.async_eval(upcoming, finite)
             for b, row in enumerate(going):
                 row["next"] = upcoming[b], finite[b]
@@ -1048,6 +1048,10 @@ def chat_prompt(turns, system=None, think=True):
     thinking = "<think>\n" if QWEN35 else ""  # thinking off: an empty think block, in both
     return text + "<|im_start|>assistant\n" + (thinking if think else "<think>\n\n</think>\n\n")
 
+def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
+    return partial(sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                   min_p=args.min_p)
+
 def chat_prompt_ids(turns, args):
     return tokenize(chat_prompt(turns, args.system, not args.no_think))
 
@@ -1127,11 +1131,10 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None):
     print("=" * 10 + "\n" + echo, end="", flush=True)
     generated, first = [], None
     if args.draft:
-        tokens = generate_draft(prompt_ids, args.max_tokens, args.temperature, args.top_p,
-                                args.draft, args.num_draft_tokens, cache, start, states, counts)
+        tokens = generate_draft(prompt_ids, args.max_tokens, sampler_of(args), args.draft,
+                                args.num_draft_tokens, cache, start, states, counts)
     else:
-        tokens = generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, cache,
-                          start, logits)
+        tokens = generate(prompt_ids, args.max_tokens, sampler_of(args), cache, start, logits)
     for token, piece in stream_text(tokens):
         first = first or time.perf_counter()  # the first token ends the prefill
         generated.append(token)
@@ -1168,8 +1171,8 @@ def reply_batch(texts, args):
     if longest + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
     tic, done, ended = time.perf_counter(), [[] for _ in prompts], []
-    for n, (i, token) in enumerate(generate_batch(prompts, args.max_tokens, args.temperature,
-                                                  args.top_p, args.batch_size, ended), 1):
+    for n, (i, token) in enumerate(generate_batch(prompts, args.max_tokens, sampler_of(args),
+                                                  args.batch_size, ended), 1):
         done[i].append(token)
         if sys.stderr.isatty() and n % 8 == 0:
             print(f"\r[{len(ended)} of {len(prompts)} prompts done, {n} tokens]", end="",
@@ -1249,6 +1252,8 @@ def parse_args(argv):
     ap.add_argument("--max-tokens", "-m", type=int, default=100)
     ap.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="sample from this much probability")
+    ap.add_argument("--top-k", type=int, default=0, help="sample from the K likeliest (0: all)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="none under this x the likeliest's")
     ap.add_argument("--seed", type=int, help="makes sampling reproducible")
     ap.add_argument("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next")
     ap.add_argument("--explain", action="store_true", help="the steps inside (chat: each turn's)")
@@ -1260,6 +1265,8 @@ def parse_args(argv):
     checks = [(args.max_tokens < 1, "--max-tokens must be at least 1"),
               (not args.temperature >= 0, "--temperature must be 0 or more"),
               (not 0 < args.top_p <= 1, "--top-p must be more than 0 and at most 1"),
+              (args.top_k < 0, "--top-k must be 0 or more"),
+              (not 0 <= args.min_p <= 1, "--min-p must be from 0 to 1"),
               (args.show_probs < 0, "--show-probs must be 0 or more"),
               (args.batch_size < 1, "--batch-size must be at least 1"),
               (args.num_draft_tokens is not None and not args.draft,

@@ -3,6 +3,7 @@ prompt lookup, checked by the model in one pass. Proven exact in float32: the id
 generate()'s, token for token, across accepted and rejected drafts; sampling keeps the model's
 distribution."""
 import shutil
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -112,7 +113,7 @@ def test_sampling_keeps_the_models_distribution(qwen35):
     li.load(qwen35(mtp="agree", layers_scale=2.0))
     ids = li.tokenize(TEXTS[0])
     mx.random.seed(0)
-    draws = [drafted(ids, 2, draft="mtp", temperature=1.0)[0] for _ in range(400)]
+    draws = [drafted(ids, 2, draft="mtp", sampler=partial(li.sample, temperature=1.0))[0] for _ in range(400)]
     expected = np.zeros(li.W["model.embed_tokens.weight"].shape[0])
     seen = np.zeros_like(expected)
     probs = {}

@@ -313,7 +313,8 @@ def test_prompt_already_cached_gives_the_fresh_answer(checkpoint, tokenizer):
 def test_the_articles_calls(checkpoint, tokenizer):
     """The article's generate(text) returns text; ours takes and yields ids, and given text it
     says, in one line, the call that does what the article's does. The article's sample(logits)
-    works on our forward()'s (L, vocab) logits too: the next token after the last position."""
+    on our forward()'s (L, vocab) logits gives each position's next token: the article's
+    sample(logits[-1]) the last one's."""
     li.load(checkpoint())
     prompt = "The capital of France is"
     with pytest.raises(TypeError) as error:
@@ -325,8 +326,9 @@ def test_the_articles_calls(checkpoint, tokenizer):
     assert ids == tokenizer.encode(prompt).ids
     assert text == tokenizer.decode(list(li.generate(ids))) and len(text) > 0
     logits = li.forward(ids, [None] * li.N_LAYERS, 0)                  # (L, vocab)
-    assert li.sample(logits).item() == li.sample(logits[-1]).item() == mx.argmax(logits[-1]).item()
-    assert li.sample(logits, temperature=1e-30, top_p=0.5).item() == mx.argmax(logits[-1]).item()
+    assert li.sample(logits[-1]).item() == mx.argmax(logits[-1]).item()
+    assert li.sample(logits).tolist() == mx.argmax(logits, axis=-1).tolist()
+    assert li.sample(logits[-1], temperature=1e-30, top_p=0.5).item() == mx.argmax(logits[-1]).item()
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

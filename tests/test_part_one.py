@@ -3,6 +3,7 @@ by itself in a fresh interpreter (as a notebook cell would run it), loads a dens
 produces exactly the tokens the whole file produces through the command line's checked loading."""
 import json
 import subprocess
+from functools import partial
 import sys
 
 import mlx.core as mx
@@ -24,11 +25,12 @@ names["load"](folder, getattr(mx, dtype) if dtype != "none" else None)
 tokenize, generate = names["tokenize"], names["generate"]
 greedy = list(generate(tokenize(prompt), max_tokens=12))
 mx.random.seed(7)
-sampled = list(generate(tokenize(prompt), max_tokens=12, temperature=1.0, top_p=0.9))
+sampler = names["partial"](names["sample"], temperature=1.0, top_p=0.9)
+sampled = list(generate(tokenize(prompt), max_tokens=12, sampler=sampler))
 x = mx.ones((2, names["D"]))
 print(json.dumps({"greedy": greedy, "sampled": sampled, "text": names["TOK"].decode(greedy),
                   "rms_norm": names["rms_norm"](x, mx.ones(names["D"])).tolist()[0][:2],
-                  "sample": names["sample"](mx.array([[0.0, 1.0, 3.0]])).item()}))
+                  "sample": names["sample"](mx.array([0.0, 1.0, 3.0])).item()}))
 """
 
 
@@ -50,7 +52,8 @@ def test_part_one_alone_gives_the_whole_files_tokens(checkpoint, options, dtype)
     ids = li.tokenize(PROMPT)
     assert alone["greedy"] == list(li.generate(ids, max_tokens=12)) and len(alone["greedy"]) > 0
     mx.random.seed(7)
-    assert alone["sampled"] == list(li.generate(ids, max_tokens=12, temperature=1.0, top_p=0.9))
+    sampler = partial(li.sample, temperature=1.0, top_p=0.9)
+    assert alone["sampled"] == list(li.generate(ids, max_tokens=12, sampler=sampler))
     assert alone["text"] == li.TOK.decode(alone["greedy"])
     assert alone["rms_norm"] == pytest.approx([1.0, 1.0], abs=1e-5)  # the article's rms_norm(x, w)
     assert alone["sample"] == 2                                      # and its sample(logits)

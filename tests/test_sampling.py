@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,6 +35,24 @@ def test_small_top_p_keeps_only_the_nucleus():
     assert set(draws(400, temperature=1.0, top_p=1.0)) == {0, 1, 2, 3, 4, 5}
 
 
+def test_top_k_and_min_p_cut_the_tail():
+    """Sorted: 0.5 (id 1), 0.3 (id 3), 0.1 (id 4), 0.05 (id 0) ... top_k 2 keeps ids 1 and 3;
+    min_p 0.15 keeps those at least 0.15 x 0.5 = 0.075 likely: 1, 3 and 4; with top_p too, both."""
+    mx.random.seed(5)
+    assert set(draws(400, temperature=1.0, top_k=2)) == {1, 3}
+    assert set(draws(600, temperature=1.0, min_p=0.15)) == {1, 3, 4}
+    assert set(draws(400, temperature=1.0, top_k=3, top_p=0.7)) == {1, 3}
+
+
+def test_each_row_draws_its_own():
+    """Rows of equal logits, sampled at once: each row its own draw (one shared draw would give
+    every row the same id), each from the distribution a single row has."""
+    mx.random.seed(11)
+    rows = li.sample(mx.broadcast_to(LOGITS, (64, 6)), temperature=1.0)     # (64,)
+    assert rows.shape == (64,) and len(set(rows.tolist())) > 2
+    assert set(rows.tolist()) <= {0, 1, 2, 3, 4, 5}
+
+
 def test_frequencies_match_renormalised_nucleus():
     mx.random.seed(1234)
     n = 4000
@@ -59,7 +78,8 @@ def test_same_seed_same_text(checkpoint, tokenizer):
     runs = []
     for seed in (3, 3, 4):
         mx.random.seed(seed)
-        runs.append(list(li.generate(ids, max_tokens=16, temperature=1.0, top_p=0.9)))
+        sampler = partial(li.sample, temperature=1.0, top_p=0.9)
+        runs.append(list(li.generate(ids, max_tokens=16, sampler=sampler)))
     assert runs[0] == runs[1] != runs[2]
 
 
