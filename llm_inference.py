@@ -21,13 +21,15 @@ EPS = 1e-6       # rms_norm_eps
 THETA = 1e6      # rope_theta: base of RoPE's rotation frequencies
 MAX_POS = 40960  # max_position_embeddings: the longest context
 EOS_IDS = {151645, 151643}  # <|im_end|>, <|endoftext|>: the article stops on one; any stops here
-QWEN35 = {}      # {} for Qwen3; Qwen3.5's own config entries (Part II)
+MODEL = "qwen3"  # model_type: "qwen3", or "qwen3_5" (Qwen3.5: Part II)
+QWEN35 = {}      # Qwen3.5's own config entries (Part II); {} for Qwen3
 GROW = 256       # the KV cache's buffers grow by this many positions at a time (Step 5)
 CHUNK = 512      # a long prompt goes through the model this many tokens at a time (Step 9)
 
 def use(cfg, weights, tokenizer):  # config.json's entries (and "eos_ids") -> the constants
-    global W, TOK, D, N_LAYERS, N_HEADS, N_KV, D_HEAD, EPS, THETA, MAX_POS, EOS_IDS, QWEN35
+    global W, TOK, D, N_LAYERS, N_HEADS, N_KV, D_HEAD, EPS, THETA, MAX_POS, EOS_IDS, MODEL, QWEN35
     W, TOK, EOS_IDS, QWEN35 = weights, tokenizer, cfg["eos_ids"], cfg.get("qwen35", {})
+    MODEL = cfg["model_type"]
     D, N_LAYERS, D_HEAD = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
     N_HEADS, N_KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     EPS, THETA, MAX_POS = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["max_position_embeddings"]
@@ -107,12 +109,17 @@ def apply_rope(x, cos, signed_sin):
 
 # ═══ Step 5. Grouped-query attention — every token asks, earlier ones answer; 2 askers share ═══
 def attention(x, layer_idx, cache, start, rope, visible):
-    """x: (L, D) at positions start.. -> (L, D). rope: RoPE's tables; visible: (L, S) keys seen.
-    The article moves the heads first, (16, seq, 128); here they stay second, (L, 16, 128), until
-    attend() and cache_write(): QK-norm and RoPE act on the last axis either way."""
-    if QWEN35:  # Qwen3.5's two kinds of layer: Part II
-        return qwen35_attention(x, layer_idx, cache, start, visible)
+    """x: (L, D) at positions start.. -> (L, D). rope: RoPE's tables; visible: (L, S) keys seen."""
     p = f"model.layers.{layer_idx}.self_attn."
+    q, k, v = queries_keys_values(x, p, rope)                         # (L, 16, 128), (L, 8, 128) x 2
+    keys, values = cache_write(cache, layer_idx, k, v, start)         # (8, S, 128) each
+    out = attend(q, keys, values, visible)                            # (L, 2048) heads merged
+    return linear(out, p + "o_proj")                                  # (L, 1024)
+
+def queries_keys_values(x, p, rope):
+    """x: (L, D) -> q, k, v, split into heads, q and k normalised and turned. The article moves
+    the heads first, (16, seq, 128); here they stay second, (L, 16, 128), until attend() and
+    cache_write(): QK-norm and RoPE act on the last axis either way."""
     q = linear(x, p + "q_proj").reshape(-1, N_HEADS, D_HEAD)          # (L, 16, 128) split heads
     k = linear(x, p + "k_proj").reshape(-1, N_KV, D_HEAD)             # (L, 8, 128)
     v = linear(x, p + "v_proj").reshape(-1, N_KV, D_HEAD)             # (L, 8, 128)
@@ -120,12 +127,7 @@ def attention(x, layer_idx, cache, start, rope, visible):
     k = rms_norm(k, W[p + "k_norm.weight"], EPS)                      # and of k, before RoPE
     q = apply_rope(q, *rope)                                          # (L, 16, 128)
     k = apply_rope(k, *rope)                                          # (L, 8, 128)
-    if isinstance(start, list):  # several sequences, a token each (Part II: batching)
-        out = attend_rows(cache, layer_idx, q, k, v, start)           # (B, 2048)
-    else:
-        keys, values = cache_write(cache, layer_idx, k, v, start)     # (8, S, 128) each
-        out = attend(q, keys, values, visible)                        # (L, 2048) heads merged
-    return linear(out, p + "o_proj")                                  # (L, 1024)
+    return q, k, v
 
 def cache_write(cache, layer_idx, k, v, start):
     """k, v (L, KV, hd) -> this layer's keys and values so far, (KV, S, hd); None: none yet. The
@@ -173,8 +175,9 @@ def ffn(x, layer_idx):
     return linear(swiglu(gate, up), p + "down_proj")                  # (L, 1024)
 
 # ═══ Step 7. The transformer block — normalise, attend, add; normalise, think, add ═══
-def transformer_block(x, layer_idx, cache, start, rope, visible):
-    """x: (L, D) -> (L, D). Pre-norm, a residual connection around each half."""
+def transformer_block(x, layer_idx, cache, start, rope, visible, attention=attention):
+    """x: (L, D) -> (L, D). Pre-norm, a residual connection around each half. attention: Step 5's
+    (Part II gives Qwen3.5's, and the batch's)."""
     p = f"model.layers.{layer_idx}."
     h = rms_norm(x, W[p + "input_layernorm.weight"], EPS)             # (L, 1024)
     x = x + attention(h, layer_idx, cache, start, rope, visible)      # (L, 1024)
@@ -195,8 +198,9 @@ def forward(token_ids, cache, start, hidden=None):  # hidden: a list, given x af
     positions = mx.arange(start, end)                                 # (L,)
     rope = rope_tables(positions, x.dtype)                            # (L, 1, 128) each
     visible = mx.arange(end)[None, :] <= positions[:, None]           # (L, S) key <= query
+    mixer = qwen35_attention if MODEL == "qwen3_5" else attention     # Qwen3.5's layers: Part II
     for i in range(N_LAYERS):
-        x = transformer_block(x, i, cache, start, rope, visible)      # (L, 1024)
+        x = transformer_block(x, i, cache, start, rope, visible, mixer)  # (L, 1024)
         if hidden is not None:
             hidden.append(x)
     return lm_head(x)                                                 # (L, 151936)
@@ -300,14 +304,26 @@ def embed_quantized(ids):  # a quantised embedding: only the rows the ids pick a
     return dequantize(*rows, rows[0].shape[-1] * 32 // D)             # (L, 1024)
 
 # ═══ Qwen3.5 — hybrid attention: 3 layers in 4 keep compressed notes, the 4th its full memory ═══
-def qwen35_attention(x, layer_idx, cache, start, visible):  # the layer's kind, in layer_types
-    if layer_idx < N_LAYERS and QWEN35["layer_types"][layer_idx] == "linear_attention":  # 18 of 24
-        return gated_delta_net(x, layer_idx, cache, start)  # (layer N: the MTP head's, full)
-    return gated_attention(x, layer_idx, cache, start, visible)       # every 4th: 6 of 24
+def deltanet(layer_idx):  # is this one of Qwen3.5's Gated DeltaNet layers? (layer_types says)
+    return MODEL == "qwen3_5" and layer_idx < N_LAYERS and \
+        QWEN35["layer_types"][layer_idx] == "linear_attention"
 
-def gated_attention(x, layer_idx, cache, start, visible):
+def qwen35_attention(x, layer_idx, cache, start, rope, visible):  # forward()'s, for Qwen3.5
+    if deltanet(layer_idx):                                           # 18 of 24
+        return gated_delta_net(x, layer_idx, cache)
+    return gated_attention(x, layer_idx, cache, start, rope, visible)  # every 4th, the MTP head's
+
+def gated_attention(x, layer_idx, cache, start, rope, visible):
     """Step 5's attention, three things changed: q_proj also gives each head a gate, RoPE turns
-    only the first quarter of each head, and the heads' output is scaled by sigmoid(gate)."""
+    only the first quarter of each head (rope: Qwen3's tables, unused), and the heads' output is
+    scaled by sigmoid(gate)."""
+    q, k, v, gate = gated_queries(x, layer_idx, mx.arange(start, start + x.shape[0]))
+    keys, values = cache_write(cache, layer_idx, k, v, start)         # (2, S, 256) each
+    out = attend(q, keys, values, visible)                            # (L, 2048)
+    return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
+
+def gated_queries(x, layer_idx, positions):
+    """x: (L, D) at positions (L,) -> q (L, 8, 256), k and v (L, 2, 256), the gate (L, 2048)."""
     p, L = f"model.layers.{layer_idx}.self_attn.", x.shape[0]
     r = int(D_HEAD * QWEN35["partial_rotary_factor"])                 # 64 of 256 dimensions
     q = linear(x, p + "q_proj").reshape(L, N_HEADS, 2 * D_HEAD)       # (L, 8, 512) q, then gate
@@ -316,16 +332,10 @@ def gated_attention(x, layer_idx, cache, start, visible):
     v = linear(x, p + "v_proj").reshape(L, N_KV, D_HEAD)              # (L, 2, 256)
     q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm, as in Step 5
     k = rms_norm(k, W[p + "k_norm.weight"], EPS)
-    batch = isinstance(start, list)  # several sequences, a token each (batching, below)
-    rope = rope_tables(mx.array(start) if batch else mx.arange(start, start + L), x.dtype, r)
+    rope = rope_tables(positions, x.dtype, r)                         # (L, 1, 64) each
     q = mx.concatenate([apply_rope(q[..., :r], *rope), q[..., r:]], axis=-1)  # (L, 8, 256)
     k = mx.concatenate([apply_rope(k[..., :r], *rope), k[..., r:]], axis=-1)  # (L, 2, 256)
-    if batch:
-        out = attend_rows(cache, layer_idx, q, k, v, start)           # (B, 2048)
-    else:
-        keys, values = cache_write(cache, layer_idx, k, v, start)     # (2, S, 256) each
-        out = attend(q, keys, values, visible)                        # (L, 2048)
-    return linear(out * mx.sigmoid(gate.reshape(L, -1)), p + "o_proj")  # (L, 1024)
+    return q, k, v, gate.reshape(L, -1)
 
 def l2_norm(x, eps=1e-6):  # x (..., n) -> x / |x| along the last axis, length 1; in float32
     x32 = x.astype(mx.float32)
@@ -334,70 +344,70 @@ def l2_norm(x, eps=1e-6):  # x (..., n) -> x / |x| along the last axis, length 1
 def softplus(a):  # log(1 + e^a): a smooth max(a, 0), always more than 0
     return mx.logaddexp(a, 0)
 
-def gated_delta_net(x, layer_idx, cache, start):
+def gated_delta_net(x, layer_idx, cache):
     """x: (L, D) -> (L, D): the article's "compressed notes". In place of keys and values that grow
     with every token, each value head keeps one fixed-size matrix, its state S (dk, dv), that
     stores values under keys. Each token: forget a little (S *= decay), recall what S holds for
     its key (k S), move that towards its value (S += k^T beta (v - k S)), read with its query
-    (q S)."""
-    p, L = f"model.layers.{layer_idx}.linear_attn.", x.shape[0]
+    (q S). The batch's x is (B, 1, D): one token of each of B sequences, each its own notes."""
+    p, lead = f"model.layers.{layer_idx}.linear_attn.", x.shape[:-1]  # (L,), or (B, 1)
     hv, dv = QWEN35["linear_num_value_heads"], QWEN35["linear_value_head_dim"]       # 16, 128
     qkv = linear(x, p + "in_proj_qkv")                                # (L, 6144) q, k, v
-    z = linear(x, p + "in_proj_z").reshape(L, hv, dv)                 # (L, 16, 128) output gate
+    z = linear(x, p + "in_proj_z").reshape(*lead, hv, dv)             # (L, 16, 128) output gate
     beta = mx.sigmoid(linear(x, p + "in_proj_b"))                     # (L, 16) write strength 0..1
     step = softplus(linear(x, p + "in_proj_a") + W[p + "dt_bias"])    # (L, 16) more than 0
     # decay: how much of S each token keeps, in 0..1 per head; a larger step forgets more, at a
     # rate A = exp(A_log) that each head learned.
     decay = mx.exp(-mx.exp(W[p + "A_log"]) * step)                    # (L, 16)
-    if isinstance(start, list):  # several sequences, a token each (batching, below): own notes
-        y = mx.concatenate([delta_memory(cache[b], layer_idx, qkv[b:b + 1], beta[b:b + 1],
-                                         decay[b:b + 1], s) for b, s in enumerate(start)])
-    else:
-        y = delta_memory(cache, layer_idx, qkv, beta, decay, start)   # (L, 16, 128)
+    y = delta_memory(cache, layer_idx, qkv, beta, decay)              # (L, 16, 128) float32
     y = rms_norm(y.astype(x.dtype), W[p + "norm.weight"], EPS)        # (L, 16, 128)
     gate = z.astype(mx.float32)                                       # the output gate:
     y = y.astype(mx.float32) * (gate * mx.sigmoid(gate))              # (L, 16, 128) y * silu(z)
-    return linear(y.astype(x.dtype).reshape(L, -1), p + "out_proj")   # (L, 1024)
+    return linear(y.astype(x.dtype).reshape(*lead, -1), p + "out_proj")  # (L, 1024)
 
-def delta_memory(cache, layer_idx, qkv, beta, decay, start):
-    """One sequence's L tokens through the short convolution and the delta rule, from and into
-    its cache[layer_idx] = (conv_state, state) -> what each token reads, (L, 16, 128) float32."""
-    p, L = f"model.layers.{layer_idx}.linear_attn.", qkv.shape[0]
+def delta_memory(cache, layer_idx, qkv, beta, decay):
+    """A sequence's L tokens (or B sequences' one: (B, 1, ...) in front) through the short
+    convolution and the delta rule, from and into cache[layer_idx] = (conv_state, state), None
+    for none yet -> what each token reads, (L, 16, 128) float32. A third entry, a list, is given
+    the notes after each token (drafting's rollback, below)."""
+    p, L, lead = f"model.layers.{layer_idx}.linear_attn.", qkv.shape[-2], qkv.shape[:-2]
     hk, hv = QWEN35["linear_num_key_heads"], QWEN35["linear_num_value_heads"]        # 16, 16
     dk, dv = QWEN35["linear_key_head_dim"], QWEN35["linear_value_head_dim"]          # 128, 128
     width = QWEN35["linear_conv_kernel_dim"]                          # 4 tokens: the convolution's
-    if start == 0 or cache[layer_idx] is None:                        # nothing remembered yet
-        cache[layer_idx] = (mx.zeros((width - 1, qkv.shape[1]), qkv.dtype), mx.zeros((hv, dk, dv)))
-    conv_state, state = cache[layer_idx]                              # (3, 6144), (16, 128, 128)
+    if cache[layer_idx] is None:                                      # nothing remembered yet
+        cache[layer_idx] = (mx.zeros((*lead, width - 1, qkv.shape[-1]), qkv.dtype),
+                            mx.zeros((*lead, hv, dk, dv)))            # float32, as mx.zeros makes
+    conv_state, state, *kept = cache[layer_idx]                       # (3, 6144), (16, 128, 128)
     # A short convolution first: each of the 6144 channels becomes a weighted sum of its value at
     # this token and at the 3 before it (4 learned weights a channel), so that a key carries a
     # little of its neighbours. conv_state keeps the last 3 tokens' inputs for the next call.
-    window = mx.concatenate([conv_state, qkv])                        # (3 + L, 6144)
+    window = mx.concatenate([conv_state, qkv], axis=-2)               # (3 + L, 6144)
     conv = W[p + "conv1d.weight"]                                     # (6144, 4) a filter each
-    qkv = sum(window[j:j + L] * conv[:, j] for j in range(width))     # (L, 6144)
+    qkv = sum(window[..., j:j + L, :] * conv[:, j] for j in range(width))  # (L, 6144)
     qkv = qkv * mx.sigmoid(qkv)                                       # (L, 6144) SiLU
     q, k, v = mx.split(qkv, [hk * dk, 2 * hk * dk], axis=-1)
-    q = l2_norm(q.reshape(L, hk, dk)) / math.sqrt(dk)                 # (L, 16, 128) and attention's
-    k = l2_norm(k.reshape(L, hk, dk))                                 # (L, 16, 128) 1 / sqrt(dk)
-    q = mx.repeat(q, hv // hk, axis=1)                                # (L, 16, 128) value head h
-    k = mx.repeat(k, hv // hk, axis=1)                                # reads key head h // (hv/hk)
-    v, out = v.reshape(L, hv, dv), []                                 # (L, 16, 128)
+    q = l2_norm(q.reshape(*lead, L, hk, dk)) / math.sqrt(dk)          # (L, 16, 128) and attention's
+    k = l2_norm(k.reshape(*lead, L, hk, dk))                          # (L, 16, 128) 1 / sqrt(dk)
+    q = mx.repeat(q, hv // hk, axis=-2)                               # (L, 16, 128) value head h
+    k = mx.repeat(k, hv // hk, axis=-2)                               # reads key head h // (hv/hk)
+    v, out = v.reshape(*lead, L, hv, dv), []                          # (L, 16, 128)
     for t in range(L):                                                # token after token
-        state, y = delta_step(state, q[t], k[t], v[t], decay[t], beta[t])  # y: (16, 128)
+        state, y = delta_step(state, q[..., t, :, :], k[..., t, :, :], v[..., t, :, :],
+                              decay[..., t, :], beta[..., t, :])      # y: (16, 128)
         out.append(y)
-        if SNAPSHOTS is not None:  # kept for a rollback (multi-token prediction, below)
-            SNAPSHOTS.setdefault(layer_idx, []).append((window[t + 1:t + width], state))
-    cache[layer_idx] = (window[-(width - 1):], state)                 # the last 3 inputs, and S
-    return mx.stack(out)                                              # (L, 16, 128)
+        if kept:  # drafting: the notes as they are after this token
+            kept[0].append((window[..., t + 1:t + width, :], state))
+    cache[layer_idx] = (window[..., -(width - 1):, :], state, *kept)  # the last 3 inputs, and S
+    return mx.stack(out, axis=-3)                                     # (L, 16, 128)
 
 @mx.compile
 def delta_step(state, q, k, v, decay, beta):
-    """The delta rule for one token, each head: state (H, dk, dv), float32 as A_log is stored;
-    q, k (H, dk), v (H, dv), decay, beta (H,) -> the new state, and what q reads of it (H, dv)."""
-    state = state * decay[:, None, None]                              # forget a little
-    recalled = (k[:, None, :] @ state)[:, 0]                          # (H, dv) k S
-    state = state + k[:, :, None] * (beta[:, None] * (v - recalled))[:, None, :]  # towards v
-    return state, (q[:, None, :] @ state)[:, 0]                       # (H, dv) q S
+    """The delta rule for one token, each head: state (H, dk, dv); q, k (H, dk), v (H, dv),
+    decay, beta (H,) (the batch's: (B, ...) in front) -> the new state, and what q reads of it."""
+    state = state * decay[..., None, None]                            # forget a little
+    recalled = (k[..., None, :] @ state)[..., 0, :]                   # (H, dv) k S
+    state = state + k[..., :, None] * (beta[..., None] * (v - recalled))[..., None, :]  # towards v
+    return state, (q[..., None, :] @ state)[..., 0, :]                # (H, dv) q S
 
 # ═══ Multi-token prediction — a quick guess at the next tokens, checked in one pass ═══
 # Decoding waits on memory: one pass over 2 tokens costs about what one over 1 does. So guess the
@@ -408,8 +418,6 @@ def delta_step(state, q, k, v, decay, beta):
 # would have made it; so greedy tokens are exactly generate()'s, and sampling keeps exactly the
 # model's distribution (the article's "a little quality" is not lost here). Drafts come from
 # Qwen3.5's MTP head, or, for any model, from the text so far (prompt lookup).
-SNAPSHOTS = None  # while a dict: delta_memory() keeps each layer's state after each token there
-
 def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
     """Qwen3.5's MTP head: ids x_{t+1} (L,) and the model's last hidden states h_t (L, D), after
     its final norm, at positions start.. -> logits (L, vocab) for x_{t+2}. Its layer is one of
@@ -421,7 +429,7 @@ def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
     positions = mx.arange(start, start + x.shape[0])                  # h_t's: the draft's is t
     keys = mx.arange(start + x.shape[0])[None, :]                    # (1, S)
     visible = (keys <= positions[:, None]) & (keys >= first)          # (L, S)
-    x = transformer_block(x, N_LAYERS, mtp_cache, start, None, visible)  # (L, 1024)
+    x = transformer_block(x, N_LAYERS, mtp_cache, start, None, visible, gated_attention)
     return linear(rms_norm(x, W["mtp.norm.weight"], EPS), "lm_head")  # (L, vocab)
 
 def lookup_draft(history, k, longest=3):
@@ -453,7 +461,6 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1,
     one pass: greedy, the same ids as generate(); sampled, the same distribution. hidden:
     hidden_pass()'s, if it ran the prompt in. counts: a dict, given "drafted" and "accepted".
     A continued cache (start > 0): the head's own cache and the lookup see this call's ids only."""
-    global SNAPSHOTS
     cache = [None] * N_LAYERS if cache is None else cache
     counts = {} if counts is None else counts
     counts.setdefault("drafted", 0)
@@ -483,11 +490,12 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1,
         else:
             proposal = mx.array(lookup_draft(history + [token], k), mx.uint32)  # (k,) or (0,)
         proposal = proposal[:end - pos - 1]                           # never past the end
-        SNAPSHOTS = {} if QWEN35 else None
+        kept = {i: [] for i in range(N_LAYERS) if deltanet(i)}  # its notes after each id:
+        for i, notes in kept.items():                             # delta_memory() fills the list
+            cache[i] = (*cache[i], notes)
         blocks = []
         logits = forward(mx.concatenate([mx.array([token], mx.uint32), proposal]), cache, pos,
                          blocks)                                      # (1 + k, vocab) one pass
-        snapshots, SNAPSHOTS = SNAPSHOTS, None
         choices = sampler(logits)                                     # (1 + k,) the model's own
         drafts, choices = proposal.tolist(), choices.tolist()
         n = 0  # accepted: the drafts equal to the model's own choice, up to the first that is not
@@ -498,8 +506,8 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1,
         history += [token] + drafts[:n]
         for d in drafts[:n]:  # each the model's own choice: emitted as generate() would
             yield d
-        for layer, states in (snapshots or {}).items():  # a DeltaNet state: the one after the
-            cache[layer] = states[n]                      # last id kept (a KV cache writes over)
+        for i, notes in kept.items():  # a DeltaNet's notes: those after the last id kept (a KV
+            cache[i] = notes[n]         # cache's positions after it are written over)
         hidden = rms_norm(blocks[-1], W["model.norm.weight"], EPS)    # (1 + k, 1024)
         rows, at, pos = hidden[:n + 1], pos, pos + n + 1
         token, logits = choices[n], logits[n]
@@ -507,72 +515,129 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1,
 # ═══ Batching — several sequences share every weight read; a finished one makes room ═══
 # Decoding one token reads every weight once to multiply it by a single row, so the machine waits
 # on memory; multiplied by B rows, the same weights cost little more, for B tokens. Here B
-# sequences decode together: one pass over B tokens, each at its own position, so that every
-# projection and feed-forward multiplies its weights by B rows at once. Each sequence keeps the
-# article's cache, a list of one tuple per layer, and only attention (and Qwen3.5's DeltaNet)
-# reads them row by row: no padding and no mask between rows, and a row that joins or leaves
-# copies nothing. The price: those few small kernels once per row (mlx-lm pads all rows into one
-# array per layer).
+# sequences decode together, one token each at its own position, in one cache per layer: the
+# article's tuple with a slot axis in front, keys and values (B, 8, S, 128) (Qwen3.5's notes,
+# (B, 3, 6144) and (B, 16, 128, 128)). A row writes its token at its own position of its slot and
+# sees its own keys up to there: its mask says so. A sequence that ends frees its slot for the
+# next prompt, so a batch holds at most B sequences' memory, however many prompts wait.
 
-def attend_rows(caches, layer_idx, q, k, v, starts):
-    """q, k, v (B, heads, hd): row b is one token of sequence b, at position starts[b], with its
-    own cache caches[b] -> (B, heads * hd): Step 5's cache_write() and attend(), row by row."""
-    rows, seen = [], mx.array([[True]])  # one query sees every key before it: no mask needed
-    for b, start in enumerate(starts):
-        keys, values = cache_write(caches[b], layer_idx, k[b:b + 1], v[b:b + 1], start)
-        rows.append(attend(q[b:b + 1], keys, values, seen))
-    return mx.concatenate(rows)                                       # (B, 2048)
+class Row:
+    """One prompt of a batch: "waiting" for a slot; "prefilling" (its cache filled alone, its last
+    id in the next batch pass); "decoding" (token: the id at position pos, lazily, and whether the
+    logits it came from were finite); "done"."""
+    def __init__(self, i, ids, max_tokens):
+        self.i, self.ids, self.status = i, ids, "waiting"
+        self.end = min(len(ids) + max_tokens, MAX_POS)                # it stops before this position
+        self.pos, self.token, self.finite = len(ids) - 1, mx.array(ids[-1]), None
 
-def forward_batch(token_ids, caches, starts):
-    """B tokens, token_ids[b] at position starts[b] of sequence b -> logits (B, vocab): Steps 2-8
-    on B rows at once, each row's attention on its own cache."""
+def padded(a, axis, size):  # a, with zeros after it along axis up to size (if shorter)
+    more = list(a.shape)
+    more[axis] = size - a.shape[axis]
+    return a if more[axis] <= 0 else mx.concatenate([a, mx.zeros(more, a.dtype)], axis=axis)
+
+def take_slot(cache, b, own):
+    """A sequence prefilled alone (own: Part I's cache, a tuple per layer) -> slot b of the
+    batch's (a new slot if b is one past the last). Every array of own goes into its slot: keys
+    and values (positions on axis 1 of own's, axis 2 of the batch's, which grows to hold them), a
+    DeltaNet's notes whole; a layer own has nothing in yet, its slot zeroed."""
+    for i, entry in enumerate(own):
+        if cache[i] is None and entry is not None:  # the layer's first notes: every slot's zero
+            cache[i] = tuple(mx.zeros((b + 1, *a.shape), a.dtype) for a in entry)
+        if cache[i] is None:  # nothing in this layer yet: made on its first write
+            continue
+        arrays = [padded(a, 0, b + 1) for a in cache[i]]              # (B, ...) a slot more
+        for j, a in enumerate(arrays):
+            if entry is None:
+                a[b] = 0
+            else:
+                arrays[j] = a = padded(a, 2, entry[j].shape[1])
+                a[b, :, :entry[j].shape[1]] = entry[j]
+        cache[i] = tuple(arrays)
+
+def cache_write_rows(cache, layer_idx, k, v, positions, end):
+    """k, v (B, KV, hd): each row's token, written at positions[b] of slot b -> the layer's keys
+    and values (B, KV, S, hd), S = end: Step 5's cache_write(), each row at its own position."""
+    keys, values = cache[layer_idx] or (mx.zeros((*k.shape[:2], 0, k.shape[2]), k.dtype),) * 2
+    room = -(-end // GROW) * GROW                                     # GROW positions at a time
+    keys, values = padded(keys, 2, room), padded(values, 2, room)     # (B, 8, room, 128)
+    slots = mx.arange(k.shape[0])                                     # (B,)
+    keys[slots, :, positions] = k                                     # row b at positions[b]
+    values[slots, :, positions] = v
+    cache[layer_idx] = (keys, values)
+    return keys[:, :, :end], values[:, :, :end]                       # (B, 8, S, 128) each
+
+def attend_rows(q, keys, values, visible):  # Step 5's attend(), each row its own query and keys
+    return mx.vmap(attend)(q[:, None], keys, values, visible[:, None])[:, 0]  # (B, heads * hd)
+
+def attention_rows(x, layer_idx, cache, positions, rope, visible):
+    """Step 5 on B rows, one token of each sequence, row b at positions[b] -> (B, D)."""
+    p = f"model.layers.{layer_idx}.self_attn."
+    q, k, v = queries_keys_values(x, p, rope)                         # (B, 16, 128), (B, 8, 128)
+    keys, values = cache_write_rows(cache, layer_idx, k, v, positions, visible.shape[1])
+    return linear(attend_rows(q, keys, values, visible), p + "o_proj")  # (B, 1024)
+
+def qwen35_attention_rows(x, layer_idx, cache, positions, rope, visible):  # the same for Qwen3.5
+    if deltanet(layer_idx):
+        return gated_delta_net(x[:, None], layer_idx, cache)[:, 0]    # (B, 1, D): a token each
+    q, k, v, gate = gated_queries(x, layer_idx, positions)            # (B, 8, 256), (B, 2, 256)
+    keys, values = cache_write_rows(cache, layer_idx, k, v, positions, visible.shape[1])
+    out = attend_rows(q, keys, values, visible)                       # (B, 2048)
+    return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
+
+def forward_batch(token_ids, cache, positions):
+    """B tokens, token_ids[b] at position positions[b] of the sequence in slot b -> logits
+    (B, vocab): Steps 2-8 on B rows at once."""
     x = embed(token_ids)                                              # (B, 1024)
-    rope = rope_tables(mx.array(starts), x.dtype)                     # (B, 1, 128) each its own
+    at = mx.array(positions)                                          # (B,)
+    rope = rope_tables(at, x.dtype)                                   # (B, 1, 128) each its own
+    visible = mx.arange(max(positions) + 1)[None, :] <= at[:, None]   # (B, S) its own keys
+    mixer = qwen35_attention_rows if MODEL == "qwen3_5" else attention_rows
     for i in range(N_LAYERS):
-        x = transformer_block(x, i, caches, starts, rope, None)       # (B, 1024)
+        x = transformer_block(x, i, cache, at, rope, visible, mixer)  # (B, 1024)
     return lm_head(x)                                                 # (B, 151936)
 
 def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=None):
     """Yield (i, id) for the tokens of prompts[i] (lists of ids), each as generate() gives it alone.
     Up to batch_size sequences decode together; one that ends (EOS, max_tokens, the context's end)
-    leaves, and the next waiting prompt fills its cache alone and joins: continuous batching.
-    ended: a list, given (i, cache, positions it holds) as each sequence leaves."""
-    waiting, rows = list(enumerate(prompts))[::-1], []  # rows: the sequences decoding now
-    while waiting or rows:
-        while waiting and len(rows) < batch_size:  # a free row: the next prompt
-            i, ids = waiting.pop()
-            cache, head = [None] * N_LAYERS, ids[:-1]
+    frees its slot, and the next waiting prompt fills its cache alone and takes it: continuous
+    batching. ended: a list, given (i, the positions its cache held) as each sequence ends."""
+    waiting, slots = [Row(i, ids, max_tokens) for i, ids in enumerate(prompts)], []
+    cache = [None] * N_LAYERS  # one per layer for all slots; slots[b]: the Row in slot b
+    while waiting or slots:
+        while waiting and (None in slots or len(slots) < batch_size):  # a free slot: a prompt
+            row = waiting.pop(0)
+            own, head = [None] * N_LAYERS, row.ids[:-1]
             for c in range(0, len(head), CHUNK):  # Step 9's prefill(), all but the last id
-                forward(head[c:c + CHUNK], cache, c)
-                mx.eval(cache)
-            # Its last id rides in the next batch pass, at its own position: that row's logits are
-            # its prompt's, so its first token is its own, and the weights are read once for all
-            # rows (a pass of its own would read them all again, lm_head too, for one row).
-            rows.append({"i": i, "cache": cache, "pos": len(head), "token": mx.array(ids[-1]),
-                         "end": min(len(ids) + max_tokens, MAX_POS)})
-        going = [row for row in rows if row["pos"] + 1 < row["end"]]  # a next token is wanted
-        if going:  # the next step, queued before this one's tokens are looked at (as generate())
-            tokens = mx.stack([row["token"] for row in going])        # (B,)
-            logits = forward_batch(tokens, [row["cache"] for row in going],
-                                   [row["pos"] for row in going])     # (B, vocab)
-            finite = mx.isfinite(logits).all(axis=-1)                 # (B,)
-            upcoming = sampler(logits)                                # (B,) each row its own
+                forward(head[c:c + CHUNK], own, c)
+                mx.eval(own)
+            b = slots.index(None) if None in slots else len(slots)
+            take_slot(cache, b, own)
+            slots[b:b + 1], row.status = [row], "prefilling"
+        if None in slots:  # no prompt left to take them: the free slots go, the batch shrinks
+            kept = mx.array([b for b, row in enumerate(slots) if row is not None], mx.int32)
+            slots = [row for row in slots if row is not None]
+            cache[:] = [None if entry is None else tuple(a[kept] for a in entry) for entry in cache]
+        # Its last id rides in the next batch pass, at its own position: that row's logits are its
+        # prompt's, so its first token is its own, and the weights are read once for all rows.
+        # The pass is queued before this pass's tokens are looked at (as in generate()).
+        if any(row.pos + 1 < row.end for row in slots):  # a next token is wanted
+            logits = forward_batch(mx.stack([row.token for row in slots]), cache,
+                                   [row.pos for row in slots])        # (B, vocab)
+            upcoming, finite = sampler(logits), mx.isfinite(logits).all(axis=-1)  # (B,) each
             mx.async_eval(upcoming, finite)
-            for b, row in enumerate(going):
-                row["next"] = upcoming[b], finite[b]
-        for row in list(rows):
-            fresh = row["pos"] < len(prompts[row["i"]])  # its token: its prompt's last id
-            if not fresh and not row["finite"].item():
-                raise not_finite(f"of prompt {row['i'] + 1}", logits.dtype)
-            token = None if fresh else row["token"].item()
+        for b, row in enumerate(slots):
+            token = None if row.status == "prefilling" else row.token.item()  # its own choice
+            if token is not None and not row.finite.item():
+                raise not_finite(f"of prompt {row.i + 1}", logits.dtype)
             if token is not None and token not in EOS_IDS:
-                yield row["i"], token
-            if token in EOS_IDS or row["pos"] + 1 >= row["end"]:  # it leaves: room for the next
-                rows.remove(row)
+                yield row.i, token
+            if token in EOS_IDS or row.pos + 1 >= row.end:  # it ends: its slot is free
+                row.status, slots[b] = "done", None
                 if ended is not None:
-                    ended.append((row["i"], row["cache"], row["pos"]))  # the last id not in it
+                    ended.append((row.i, row.pos))  # its last id not in its cache
             else:
-                (row["token"], row["finite"]), row["pos"] = row.pop("next"), row["pos"] + 1
+                row.status, row.token, row.finite = "decoding", upcoming[b], finite[b]
+                row.pos += 1
 
 # ═══ Part III — what serves it all: file checks, download, chat, the command line ═══
 import argparse, errno, os, re, shlex, shutil, signal, socket, sys, time, warnings  # noqa
@@ -1182,19 +1247,25 @@ def reply_batch(texts, args):
         print("\r\x1b[K", end="", file=sys.stderr, flush=True)
     for text, ids in zip(texts, done):
         completion = "".join(piece for _, piece in stream_text(ids))  # as a single run prints it
-        print("=" * 10 + "\n" + ("" if args.chat else text) + completion)
+        print("=" * 10 + "\n" + (f">> {text}\n" if args.chat else text) + completion)
     n = sum(len(ids) for ids in done)
     print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
           f"--batch-size {args.batch_size}")
     print(f"Generation: {n} tokens, {n / seconds:.3f} tokens-per-sec (all rows, prefills included)")
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-    kv = sum(cache_bytes(cache, held) for _, cache, held in ended)
-    print(f"KV cache: {sum(held for _, _, held in ended)} positions in {len(ended)} sequences, "
-          f"{kv / 1e6:.3f} MB (each as it ended)", flush=True)
+    held = sum(positions for _, positions in ended)  # each sequence's cache as it ended
+    full = N_LAYERS - sum(deltanet(i) for i in range(N_LAYERS))  # its layers with keys and values
+    kv = held * full * 2 * N_KV * D_HEAD * W["model.norm.weight"].dtype.size
+    print(f"KV cache: {held} positions in {len(ended)} sequences, {kv / 1e6:.3f} MB (each as it "
+          f"ended; at most --batch-size of them held at once)", flush=True)
     if QWEN35:
-        states = sum(cache_bytes(cache, kind="linear_attention") for _, cache, _ in ended)
-        print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers x "
-              f"{len(ended)} sequences, {states / 1e6:.3f} MB", flush=True)
+        c, width = QWEN35, QWEN35["linear_conv_kernel_dim"]  # conv_state and state, per layer
+        channels = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + \
+            c["linear_num_value_heads"] * c["linear_value_head_dim"]
+        one = (width - 1) * channels * W["model.norm.weight"].dtype.size + \
+            c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"] * 4
+        print(f"DeltaNet state: {N_LAYERS - full} layers x {len(ended)} sequences, "
+              f"{(N_LAYERS - full) * len(ended) * one / 1e6:.3f} MB", flush=True)
 
 def converse(args):
     """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:

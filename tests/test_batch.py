@@ -96,24 +96,74 @@ def test_sampling_with_a_seed_is_reproducible(checkpoint):
     assert runs[0] == runs[1] and len({tuple(ids) for ids in runs[0]}) > 1
 
 
+def one_batched_step(prompts):
+    """Each prompt's cache filled alone (all but its last id) and put in its slot of one batch
+    cache; then one batch pass over the prompts' last ids, and the same step for each prompt
+    alone -> the batch's logits (B, vocab), each row's alone [(vocab,)]."""
+    cache, singles = [None] * li.N_LAYERS, []
+    for b, ids in enumerate(prompts):
+        own = [None] * li.N_LAYERS
+        li.forward(ids[:-1], own, 0)
+        mx.eval(own)
+        li.take_slot(cache, b, own)
+        singles.append(li.forward(ids[-1:], list(own), len(ids) - 1)[-1])
+    rows = li.forward_batch(mx.array([ids[-1] for ids in prompts]), cache,
+                            [len(ids) - 1 for ids in prompts])
+    return rows, singles
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen35", "quantised"])
+def test_a_batched_step_is_each_row_alone(checkpoint, qwen35, quantized, model):  # noqa: F811
+    """float32: one batch pass over rows at different positions (each its own RoPE angle, its own
+    keys behind its mask, its own DeltaNet notes) gives each row the logits of the same step run
+    alone, to float32's rounding of a product over more rows (measured: under 1e-5 of the largest
+    logit; a row turned by another row's position, or reading another's keys, moves them by far
+    more)."""
+    if model == "quantised":
+        li.load(quantized("4bit-g64-untied"), mx.float32)
+    else:
+        li.load(checkpoint() if model == "qwen3" else qwen35())
+    prompts = [li.tokenize(t) for t in TEXTS[:5]]
+    rows, singles = one_batched_step(prompts)
+    for row, single in zip(rows, singles):
+        assert mx.abs(row - single).max().item() <= 1e-4 * mx.abs(single).max().item()
+
+
 def test_bfloat16_rows_round_as_a_single_row_does(checkpoint):
     """In bfloat16 a product over B rows may round differently from one row's (so two correct
     runs can part ways where two tokens are close): the suite asserts that each row's logits in a
     batched step are within bfloat16's rounding of the same step alone, not that tokens agree."""
     li.load(checkpoint(dtype="bfloat16"))
-    prompts = [li.tokenize(t) for t in TEXTS[:3]]
-    caches, singles, tokens = [], [], []
-    for ids in prompts:
-        cache = [None] * li.N_LAYERS
-        li.prefill(ids, cache)
-        caches.append(cache)
-        tokens.append(ids[-1])
-        copy = list(cache)
-        singles.append(li.forward([ids[-1]], copy, len(ids))[-1])
-    rows = li.forward_batch(mx.array(tokens), caches, [len(ids) for ids in prompts])
+    rows, singles = one_batched_step([li.tokenize(t) for t in TEXTS[:3]])
     for row, single in zip(rows, singles):
         err = mx.abs(row.astype(mx.float32) - single.astype(mx.float32)).max().item()
         assert err <= 0.02 * mx.abs(single.astype(mx.float32)).max().item()
+
+
+def test_each_row_draws_its_own_sample(checkpoint):
+    """Six copies of one prompt, sampled at temperature 1 in one batch: each row its own draws, so
+    the rows part ways (one draw shared by every row would keep them identical)."""
+    li.load(checkpoint())
+    mx.random.seed(1)
+    out = batched([li.tokenize("Once")] * 6, 8, 6, sampler=partial(li.sample, temperature=1.0))
+    assert len({tuple(ids) for ids in out}) > 1
+
+
+def test_memory_is_bounded_by_the_batch_size(checkpoint):
+    """Many more prompts than --batch-size: a finished sequence's slot is taken by the next
+    prompt and nothing of it is kept, so 48 prompts through 4 slots reach the same peak memory
+    as 4 prompts (same lengths), within 10% (allocator rounding); a kept cache per prompt would
+    be 12 times as much."""
+    li.load(checkpoint())
+    prompts = [li.tokenize(t) for t in TEXTS[:4]]
+    peaks = []
+    for n in (1, 12):
+        mx.eval(li.W)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        batched(prompts * n, 12, 4)
+        peaks.append(mx.get_peak_memory() - mx.get_active_memory())
+    assert peaks[1] <= 1.1 * peaks[0], peaks
 
 
 def test_command_line(checkpoint, tmp_path):
@@ -163,7 +213,7 @@ def test_prompts_longer_than_a_chunk(checkpoint, qwen35, monkeypatch, model):
 
 @pytest.mark.parametrize("call, n_good", [(0, 0), (3, 3)])
 def test_a_row_whose_logits_are_not_finite(checkpoint, monkeypatch, call, n_good):
-    """A NaN in row 2's logits, at its first token (call 0) or its fourth (call 3): generate_batch()
+    """A NaN in one of row 2's logits, at its first token (call 0) or its fourth (call 3): generate_batch()
     says which prompt, and no token from those logits comes out; the tokens before it are right."""
     li.load(checkpoint())
     prompts = [li.tokenize(t) for t in TEXTS[:3]]
@@ -173,7 +223,8 @@ def test_a_row_whose_logits_are_not_finite(checkpoint, monkeypatch, call, n_good
         logits = forward_batch(token_ids, caches, starts)            # (3, vocab)
         calls.append(len(calls))
         if len(calls) - 1 == call:
-            logits = mx.where(mx.arange(3)[:, None] == 1, mx.nan, logits)
+            logits = mx.where((mx.arange(3)[:, None] == 1) & (mx.arange(logits.shape[1]) == 7),
+                              mx.nan, logits)  # one logit of row 2
         return logits
 
     monkeypatch.setattr(li, "forward_batch", poisoned)
