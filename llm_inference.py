@@ -99,13 +99,17 @@ def rope_tables(positions, dtype, dims=None):
 @mx.compile
 def apply_rope(x, cos, signed_sin):
     """x: (L, heads, hd) -> each pair (x1, x2) = (x[i], x[i + hd/2]) turned by its angle, as the
-    article's rotate(): [x1 cos - x2 sin, x1 sin + x2 cos], here in one fused product x * (cos, cos)
-    + (x2, x1) * (-sin, sin). The article's apply_rope(q, k, positions) turns both q and k."""
+    article's rotate(): [x1 cos - x2 sin, x1 sin + x2 cos], here in one fused product on x seen as
+    its two halves: (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin), (x2, x1) the halves reversed
+    (a view: no copy, unlike the article's concatenate). The article's apply_rope(q, k, positions)
+    turns both q and k."""
     if not isinstance(signed_sin, mx.array):  # the article's call: say ours
         raise TypeError("apply_rope() turns one tensor: apply_rope(q, *rope_tables(positions, dt))")
-    half = x.shape[-1] // 2
-    swapped = mx.concatenate([x[..., half:], x[..., :half]], axis=-1)  # (L, heads, 128) (x2, x1)
-    return x * cos + swapped * signed_sin                             # (L, heads, 128)
+    halves = x.reshape(*x.shape[:-1], 2, -1)                          # (L, heads, 2, 64) x1, x2
+    cos = cos.reshape(cos.shape[0], 1, 2, -1)                         # (L, 1, 2, 64) cos, cos
+    signed_sin = signed_sin.reshape(cos.shape)                        # (L, 1, 2, 64) -sin, sin
+    turned = halves * cos + halves[..., ::-1, :] * signed_sin         # (L, heads, 2, 64)
+    return turned.reshape(x.shape)                                    # (L, heads, 128)
 
 # ═══ Step 5. Grouped-query attention — every token asks, earlier ones answer; 2 askers share ═══
 def attention(x, layer_idx, cache, start, rope, visible):
@@ -146,21 +150,23 @@ def cache_write(cache, layer_idx, k, v, start):
 def attend(q, k, v, visible):
     """q: (L, H, hd), k, v: (KV, S, hd) -> (L, H * hd): softmax(q k^T / sqrt(hd)) v per head. The
     article repeats each KV head for its 2 query heads (mx.repeat copies K and V); viewing the 16
-    query heads as 8 groups of 2 pairs them the same way (query head h reads KV head h // 2)."""
-    L, H, hd = q.shape
-    groups = q.transpose(1, 0, 2).reshape(k.shape[0], H // k.shape[0], L, hd)  # (8, 2, L, 128)
-    scores = groups @ k[:, None].swapaxes(-1, -2)                     # (8, 2, L, S)
-    scores = masked_scores(scores, visible, math.sqrt(hd))            # (8, 2, L, S) float32
-    probs = mx.softmax(scores, axis=-1).astype(v.dtype)               # (8, 2, L, S) rows sum to 1
-    out = probs @ v[:, None]                                          # (8, 2, L, 128)
-    return out.reshape(H, L, hd).transpose(1, 0, 2).reshape(L, H * hd)  # (L, 2048)
+    query heads as 8 groups of 2 pairs them the same way (query head h reads KV head h // 2).
+    batch: the batch's axes in front of every argument, () for one sequence (Part II: batching)."""
+    *batch, L, H, hd = q.shape
+    groups = q.swapaxes(-3, -2).reshape(*batch, k.shape[-3], -1, L, hd)  # (8, 2, L, 128)
+    scores = groups @ k[..., None, :, :].swapaxes(-1, -2)             # (8, 2, L, S)
+    scores = masked_scores(scores, visible, math.sqrt(hd))            # (8, 2, L, S)
+    probs = mx.softmax(scores, axis=-1, precise=True)                 # (8, 2, L, S) rows sum to 1
+    out = probs @ v[..., None, :, :]                                  # (8, 2, L, 128)
+    return out.reshape(*batch, H, L, hd).swapaxes(-3, -2).reshape(*batch, L, H * hd)  # (L, 2048)
 
 @partial(mx.compile, shapeless=True)  # one trace for every L and S
 def masked_scores(scores, visible, sqrt_hd):
     """The causal mask. The article's triu(-1e9) suits its prefill, on an empty cache; a prompt
     continued on a cache (Step 9's chunks, a chat's next turn) needs it shifted by what the cache
-    holds. Here a key is visible when its position is at most the query's; others get -inf."""
-    return mx.where(visible, scores.astype(mx.float32) / sqrt_hd, -mx.inf)  # (..., L, S) float32
+    holds. Here a key is visible when its position is at most the query's; others get -inf.
+    In the scores' dtype, as mlx-lm (softmax's precise=True: its sums in float32)."""
+    return mx.where(visible, scores / sqrt_hd, -mx.inf)               # (..., L, S)
 
 # ═══ Step 6. SwiGLU feed-forward — a gate decides how much of each of 3072 features passes ═══
 @mx.compile
@@ -180,10 +186,15 @@ def transformer_block(x, layer_idx, cache, start, rope, visible, attention=atten
     (Part II gives Qwen3.5's, and the batch's)."""
     p = f"model.layers.{layer_idx}."
     h = rms_norm(x, W[p + "input_layernorm.weight"], EPS)             # (L, 1024)
-    x = x + attention(h, layer_idx, cache, start, rope, visible)      # (L, 1024)
-    h = rms_norm(x, W[p + "post_attention_layernorm.weight"], EPS)    # (L, 1024)
+    out = attention(h, layer_idx, cache, start, rope, visible)        # (L, 1024)
+    x, h = add_rms_norm(x, out, W[p + "post_attention_layernorm.weight"], EPS)  # x + out, h
     x = x + ffn(h, layer_idx)                                         # (L, 1024)
     return x
+
+@mx.compile
+def add_rms_norm(x, out, w, eps):  # the residual add and the RMSNorm after it, in one trace:
+    x = x + out                    # the add fused into RMSNorm's first kernel
+    return x, rms_norm(x, w, eps)
 
 # ═══ Step 8. LM head and sampling — a score for every token, then pick the next one ═══
 def lm_head(x):
@@ -560,14 +571,14 @@ def cache_write_rows(cache, layer_idx, k, v, positions, end):
     keys, values = cache[layer_idx] or (mx.zeros((*k.shape[:2], 0, k.shape[2]), k.dtype),) * 2
     room = -(-end // GROW) * GROW                                     # GROW positions at a time
     keys, values = padded(keys, 2, room), padded(values, 2, room)     # (B, 8, room, 128)
-    slots = mx.arange(k.shape[0])                                     # (B,)
-    keys[slots, :, positions] = k                                     # row b at positions[b]
-    values[slots, :, positions] = v
+    at = positions[:, None, None, None]                               # (B, 1, 1, 1)
+    keys = mx.put_along_axis(keys, at, k[:, :, None], axis=2)         # row b at positions[b]
+    values = mx.put_along_axis(values, at, v[:, :, None], axis=2)
     cache[layer_idx] = (keys, values)
     return keys[:, :, :end], values[:, :, :end]                       # (B, 8, S, 128) each
 
 def attend_rows(q, keys, values, visible):  # Step 5's attend(), each row its own query and keys
-    return mx.vmap(attend)(q[:, None], keys, values, visible[:, None])[:, 0]  # (B, heads * hd)
+    return attend(q[:, None], keys, values, visible[:, None, None, None])[:, 0]  # (B, heads * hd)
 
 def attention_rows(x, layer_idx, cache, positions, rope, visible):
     """Step 5 on B rows, one token of each sequence, row b at positions[b] -> (B, D)."""

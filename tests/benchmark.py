@@ -169,15 +169,17 @@ def batch_rows(model, batches, runs, n_prompt=16, n_new=32):
 
 
 def batch_kernels(prompts, single=False):
-    """The kernels one decode step launches for these rows (a graph count, as kernels_per_layer)."""
-    caches = []
-    for ids in prompts:
-        caches.append([None] * li.N_LAYERS)
-        mx.eval(li.prefill(ids, caches[-1]), caches[-1])
+    """The kernels one decode step launches for these rows (a graph count, as kernels_per_layer):
+    each prompt prefilled alone and put in its slot of one batch cache, as generate_batch() does."""
+    cache, own = [None] * li.N_LAYERS, []
+    for b, ids in enumerate(prompts):
+        own = [None] * li.N_LAYERS
+        mx.eval(li.prefill(ids, own), own)
+        li.take_slot(cache, b, own)
     if single:
-        step = lambda: li.forward([5], caches[0], len(prompts[0]))[-1]  # noqa: E731
+        step = lambda: li.forward([5], own, len(prompts[0]))[-1]  # noqa: E731
     else:
-        step = lambda: li.forward_batch(mx.array([5] * len(prompts)), caches,  # noqa: E731
+        step = lambda: li.forward_batch(mx.array([5] * len(prompts)), cache,  # noqa: E731
                                         [len(ids) for ids in prompts])
     return kernels_per_layer(step, 1)
 
