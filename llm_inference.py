@@ -39,9 +39,8 @@ def as_list(ids):  # an EOS entry: an id, a list of them, or null
     return ids if isinstance(ids, list) else [ids]
 
 def load(model_dir, dtype=None):
-    """The set-up the article names but does not show, unchecked: config.json, mx.load and
-    tokenizer.json; dtype: compute in it, not the weights' own. The command line's load_checked()
-    (Part III) checks every file and entry first, then fills the same names through use()."""
+    """config.json, the weights (mx.load) and tokenizer.json, unchecked; dtype: compute in it, not
+    the weights' own. load_checked() (Part III) checks every file and entry first, then use()."""
     folder = Path(model_dir)
     cfg = json.loads((folder / "config.json").read_text())
     if cfg["model_type"] != "qwen3" or "quantization" in cfg:  # Qwen3.5, 4/8-bit: Part III
@@ -80,8 +79,8 @@ def embed(token_ids):
 # and fuses its element-wise steps into one kernel. Delete it: the same numbers, more slowly.
 @mx.compile
 def rms_norm(x, w, eps=1e-6):
-    """x: (..., n), w: (n,) -> x / sqrt(mean(x^2) + eps) * w, the mean in float32 (in bfloat16 it
-    drifts). eps: the article's EPS unless given; a compiled trace keeps Python values it read."""
+    """x: (..., n), w: (n,) -> x / sqrt(mean(x^2) + eps) * w, computed in float32 (in bfloat16 the
+    mean drifts). eps: the article's EPS unless given (a compiled trace keeps what it read)."""
     x32 = x.astype(mx.float32)                                        # (..., n)
     x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # (..., n)
     return w * x32.astype(x.dtype)                                    # (..., n)
@@ -101,8 +100,7 @@ def apply_rope(x, cos, signed_sin):
     """x: (L, heads, hd) -> each pair (x1, x2) = (x[i], x[i + hd/2]) turned by its angle, as the
     article's rotate(): [x1 cos - x2 sin, x1 sin + x2 cos], here in one fused product on x seen as
     its two halves: (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin), (x2, x1) the halves reversed
-    (a view: no copy, unlike the article's concatenate). The article's apply_rope(q, k, positions)
-    turns both q and k."""
+    (a view: no copy, unlike the article's concatenate). The article's apply_rope(q, k): both."""
     if not isinstance(signed_sin, mx.array):  # the article's call: say ours
         raise TypeError("apply_rope() turns one tensor: apply_rope(q, *rope_tables(positions, dt))")
     halves = x.reshape(*x.shape[:-1], 2, -1)                          # (L, heads, 2, 64) x1, x2
@@ -115,15 +113,14 @@ def apply_rope(x, cos, signed_sin):
 def attention(x, layer_idx, cache, start, rope, visible):
     """x: (L, D) at positions start.. -> (L, D). rope: RoPE's tables; visible: (L, S) keys seen."""
     p = f"model.layers.{layer_idx}.self_attn."
-    q, k, v = queries_keys_values(x, p, rope)                         # (L, 16, 128), (L, 8, 128) x 2
+    q, k, v = queries_keys_values(x, p, rope)                         # (L, 16, 128), (L, 8, 128)
     keys, values = cache_write(cache, layer_idx, k, v, start)         # (8, S, 128) each
     out = attend(q, keys, values, visible)                            # (L, 2048) heads merged
     return linear(out, p + "o_proj")                                  # (L, 1024)
 
 def queries_keys_values(x, p, rope):
-    """x: (L, D) -> q, k, v, split into heads, q and k normalised and turned. The article moves
-    the heads first, (16, seq, 128); here they stay second, (L, 16, 128), until attend() and
-    cache_write(): QK-norm and RoPE act on the last axis either way."""
+    """x: (L, D) -> q, k, v in heads, q and k normalised and turned. The article moves the heads
+    first, (16, seq, 128); here they stay second until attend() (QK-norm, RoPE: the last axis)."""
     q = linear(x, p + "q_proj").reshape(-1, N_HEADS, D_HEAD)          # (L, 16, 128) split heads
     k = linear(x, p + "k_proj").reshape(-1, N_KV, D_HEAD)             # (L, 8, 128)
     v = linear(x, p + "v_proj").reshape(-1, N_KV, D_HEAD)             # (L, 8, 128)
@@ -150,13 +147,13 @@ def cache_write(cache, layer_idx, k, v, start):
 def attend(q, k, v, visible):
     """q: (L, H, hd), k, v: (KV, S, hd) -> (L, H * hd): softmax(q k^T / sqrt(hd)) v per head. The
     article repeats each KV head for its 2 query heads (mx.repeat copies K and V); viewing the 16
-    query heads as 8 groups of 2 pairs them the same way (query head h reads KV head h // 2).
-    batch: the batch's axes in front of every argument, () for one sequence (Part II: batching)."""
+    query heads as 8 groups of 2 pairs them the same way (query head h reads KV head h // 2). A
+    batch (Part II): its axis in front of every argument; for one sequence, batch is []."""
     *batch, L, H, hd = q.shape
     groups = q.swapaxes(-3, -2).reshape(*batch, k.shape[-3], -1, L, hd)  # (8, 2, L, 128)
     scores = groups @ k[..., None, :, :].swapaxes(-1, -2)             # (8, 2, L, S)
     scores = masked_scores(scores, visible, math.sqrt(hd))            # (8, 2, L, S)
-    probs = mx.softmax(scores, axis=-1, precise=True)                 # (8, 2, L, S) rows sum to 1
+    probs = mx.softmax(scores, axis=-1, precise=True)                 # (8, 2, L, S) sums float32
     out = probs @ v[..., None, :, :]                                  # (8, 2, L, 128)
     return out.reshape(*batch, H, L, hd).swapaxes(-3, -2).reshape(*batch, L, H * hd)  # (L, 2048)
 
@@ -164,8 +161,7 @@ def attend(q, k, v, visible):
 def masked_scores(scores, visible, sqrt_hd):
     """The causal mask. The article's triu(-1e9) suits its prefill, on an empty cache; a prompt
     continued on a cache (Step 9's chunks, a chat's next turn) needs it shifted by what the cache
-    holds. Here a key is visible when its position is at most the query's; others get -inf.
-    In the scores' dtype, as mlx-lm (softmax's precise=True: its sums in float32)."""
+    holds. Here a key is visible when its position is at most the query's; others get -inf."""
     return mx.where(visible, scores / sqrt_hd, -mx.inf)               # (..., L, S)
 
 # ═══ Step 6. SwiGLU feed-forward — a gate decides how much of each of 3072 features passes ═══
@@ -182,8 +178,7 @@ def ffn(x, layer_idx):
 
 # ═══ Step 7. The transformer block — normalise, attend, add; normalise, think, add ═══
 def transformer_block(x, layer_idx, cache, start, rope, visible, attention=attention):
-    """x: (L, D) -> (L, D). Pre-norm, a residual connection around each half. attention: Step 5's
-    (Part II gives Qwen3.5's, and the batch's)."""
+    """x: (L, D) -> (L, D). Pre-norm, a residual around each half. attention: Step 5's, or II's."""
     p = f"model.layers.{layer_idx}."
     h = rms_norm(x, W[p + "input_layernorm.weight"], EPS)             # (L, 1024)
     out = attention(h, layer_idx, cache, start, rope, visible)        # (L, 1024)
@@ -218,23 +213,20 @@ def forward(token_ids, cache, start, hidden=None):  # hidden: a list, given x af
 
 def sample(logits, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0):
     """logits (..., vocab) -> the next id of each row (...): temperature 0, the likeliest; else a
-    draw from softmax(logits / T), each row its own, among the fewest likeliest tokens reaching
-    top_p (the article's default 0.95; 1.0, no cut, is mlx-lm's), at most top_k of them (0: no
-    limit), none under min_p x the likeliest one's probability; in float32. The article slices
-    and returns an int; this masks and returns a lazy array, so that generate() can queue the
-    next step (Step 9). A sampler: this with its options fixed, partial(sample, temperature=...)."""
+    draw from softmax(logits / T) in float32, each row its own, among the fewest likeliest tokens
+    reaching top_p (the article's default 0.95; 1.0, no cut, is mlx-lm's), at most top_k (0: no
+    limit), none under min_p x the likeliest's probability. The article slices and returns an int;
+    this masks, and returns a lazy array so that generate() can queue the next step (Step 9)."""
     if temperature == 0:
         return mx.argmax(logits, axis=-1)                             # (...)
     logits = logits.astype(mx.float32) / temperature                  # (..., vocab) T first
     probs = mx.softmax(logits, axis=-1)                               # (..., vocab)
     order = mx.argsort(-probs, axis=-1)                               # (..., vocab) likeliest first
     sorted_probs = mx.take_along_axis(probs, order, axis=-1)          # (..., vocab)
-    mass_before = mx.cumsum(sorted_probs, axis=-1, inclusive=False)   # (..., vocab) of likelier ones
+    mass_before = mx.cumsum(sorted_probs, axis=-1, inclusive=False)   # (..., vocab) likelier ones
     keep = mass_before < top_p                                        # (..., vocab) the top one too
-    if top_k:
-        keep = keep & (mx.arange(keep.shape[-1]) < top_k)             # only the top_k likeliest
-    if min_p:
-        keep = keep & (sorted_probs >= min_p * sorted_probs[..., :1])  # none far below the top
+    keep = keep & (mx.arange(keep.shape[-1]) < (top_k or keep.shape[-1]))  # the top_k likeliest
+    keep = keep & (sorted_probs >= min_p * sorted_probs[..., :1])     # none far below the top one
     masked = mx.where(keep, mx.take_along_axis(logits, order, axis=-1), -mx.inf)  # (..., vocab)
     picked = mx.random.categorical(masked, axis=-1)                   # (...) a place in order
     return mx.take_along_axis(order, picked[..., None], axis=-1)[..., 0]  # (...) its id
@@ -256,24 +248,20 @@ def not_finite(where, dtype):  # the weights are finite (load checks them): the 
 
 def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, logits=None):
     """Yield up to max_tokens ids after prompt_ids, stopping before any EOS id and at the context's
-    end. sampler: sample, or it with its options fixed (as it is: greedy); cache, start: a cache
-    and how much of it to keep; logits: the prompt's, if prefill() ran it in. On return the cache
-    holds the prompt and every id yielded."""
+    end. sampler: sample (greedy), or partial(sample, temperature=...); cache, start: a cache and
+    how much of it to keep; logits: the prompt's, if prefill() ran it in. Then the cache holds
+    the prompt and every id yielded."""
     if isinstance(prompt_ids, str):  # the article's generate() takes text and returns text
         raise TypeError("generate() takes ids: TOK.decode(list(generate(tokenize(text))))")
     cache = [None] * N_LAYERS if cache is None else cache
     if logits is None:
         logits = prefill(prompt_ids, cache, start)                    # (vocab,) lazy
     first, end = start + len(prompt_ids), min(start + len(prompt_ids) + max_tokens, MAX_POS)
-    # The article's loop, as MLX runs it. An mx.* call only records; MLX computes when Python needs
-    # a value (.item(), int()) or when asked (mx.async_eval starts the work and returns at once).
-    # The article's int() waits for each token before it records the next step, so the machine
-    # idles while Python works. Here each token is queued as soon as it is recorded (the first on
-    # its own, as mlx-lm does, so it does not wait for the second's pass), and the step that feeds
-    # it back is queued before the token is looked at: while Python checks and yields token n, MLX
-    # computes n + 1. So a token is in the cache before we know it is EOS; if it is, the cache is
-    # set back to its tuples before that step (a KV buffer, written in place, keeps the position,
-    # but nothing reads it before it is written over; a DeltaNet state is a new array).
+    # The article's loop, as MLX runs it: an mx.* call only records; MLX computes when Python needs
+    # a value (.item()) or when asked (mx.async_eval starts the work and returns at once). The step
+    # that feeds token n back is queued before n is looked at, so MLX computes n + 1 while Python
+    # checks and yields n (the first token queued alone, as mlx-lm does). An EOS is seen after its
+    # step was recorded: the cache is set back to its tuples before that step.
     token, finite = sampler(logits), mx.isfinite(logits).all()       # () ()
     mx.async_eval(token, finite)
     for pos in range(first, end):
@@ -294,7 +282,9 @@ def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, lo
 # ═══ Quantised weights — a number in 4 or 8 bits, a scale and a bias for each group of 64 ═══
 def dequantize(packed, scales, biases, bits):
     """MLX's affine quantisation undone: a row of packed (uint32) is a little-endian stream of
-    bits-bit integers q, and each group of them shares a scale and a bias: w = scale * q + bias."""
+    bits-bit integers q, and each group of them shares a scale and a bias: w = scale * q + bias,
+    in float32, then the scales' dtype (as MLX's GPU kernels compute it; its CPU ones, in the
+    scales' dtype: one rounding apart at most)."""
     n = packed.shape[-1] * 32 // bits                                 # values in a row
     stream = mx.pad(packed.view(mx.uint8), [(0, 0)] * (packed.ndim - 1) + [(0, 1)])  # its bytes, 0
     stream = stream.astype(mx.uint32)                                 # (..., n * bits / 8 + 1)
@@ -302,8 +292,8 @@ def dequantize(packed, scales, biases, bits):
     pair = stream[..., start // 8] | stream[..., start // 8 + 1] << 8  # (..., n) the 2 bytes of q_i
     q = (pair >> (start % 8)) & (2 ** bits - 1)                       # (..., n) q_i
     q = q.reshape(*q.shape[:-1], scales.shape[-1], -1)                # (..., groups, group)
-    w = scales[..., None] * q.astype(scales.dtype) + biases[..., None]  # (..., groups, group)
-    return w.reshape(*w.shape[:-2], n)                                # (..., n)
+    w = scales[..., None] * q.astype(mx.float32) + biases[..., None]  # (..., groups, group) f32
+    return w.astype(scales.dtype).reshape(*w.shape[:-2], n)           # (..., n)
 
 def quantized_linear(x, name):  # x @ dequantize(W[name]).T, never writing the unpacked matrix
     packed, scales, biases = (W[name + part] for part in (".weight", ".scales", ".biases"))
@@ -466,26 +456,60 @@ def hidden_pass(token_ids, cache, start, lens=None):
         lens.extend(x[-1:] for x in blocks)
     return mx.concatenate(rows)                                       # (L, 1024)
 
+def mtp_prefill(prompt_ids, hidden, start):
+    """The MTP head's own KV cache over the prompt: it reads (x_t+1, h_t) for t = start.., the
+    last h_t waiting for the first draft, whose x_t+1 is not known yet -> that cache."""
+    mtp_cache = [None] * (N_LAYERS + 1)
+    for i in range(0, len(prompt_ids) - 1, CHUNK):
+        ids = mx.array(prompt_ids[i + 1:i + 1 + CHUNK])  # the prompt, shifted by one token
+        mtp_logits(ids, hidden[i:i + len(ids)], mtp_cache, start + i, start)
+        mx.eval(mtp_cache)
+    return mtp_cache
+
+def verify_pass(ids, cache, pos, sampler):
+    """Step 2: the model over ids (the next id, then the drafts) at positions pos.., one pass ->
+    its logits (1 + k, vocab) and own choice (1 + k,) after each id, its hidden states (1 + k, D)
+    (what the MTP head reads), and each DeltaNet layer's notes after each id (for a rollback)."""
+    kept = {i: [] for i in range(N_LAYERS) if deltanet(i)}
+    for i, notes in kept.items():  # a list in the cache entry: delta_memory() fills it
+        cache[i] = (*cache[i], notes)
+    blocks = []
+    logits = forward(ids, cache, pos, blocks)                         # (1 + k, vocab)
+    hidden = rms_norm(blocks[-1], W["model.norm.weight"], EPS)        # (1 + k, 1024)
+    return logits, sampler(logits), hidden, kept
+
+def accept(drafts, choices):
+    """Step 3: how many drafts stand: each equal to the model's own choice at its position, up to
+    the first that is not (an EOS id ends there too: nothing follows it)."""
+    n = 0
+    while n < len(drafts) and choices[n] == drafts[n] and drafts[n] not in EOS_IDS:
+        n += 1
+    return n
+
 def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1, cache=None,
                    start=0, hidden=None, counts=None):
-    """generate(), with k ids drafted ahead (by the MTP head, or by prompt lookup) and checked in
-    one pass: greedy, the same ids as generate(); sampled, the same distribution. hidden:
-    hidden_pass()'s, if it ran the prompt in. counts: a dict, given "drafted" and "accepted".
-    A continued cache (start > 0): the head's own cache and the lookup see this call's ids only."""
+    """generate(), each step in three: draft (guess ids ahead: the MTP head 1, prompt lookup up
+    to k), verify (one pass), accept (the drafts the model agrees with; the DeltaNet rolled back
+    to there). Greedy: the same ids as generate() (proven in float32); sampled: the model's own
+    distribution. hidden: hidden_pass()'s, if it ran the prompt in. counts: a dict, given
+    "drafted" and "accepted". A continued cache (start > 0): the head's own cache and the lookup
+    see this call's ids only."""
     cache = [None] * N_LAYERS if cache is None else cache
     counts = {} if counts is None else counts
     counts.setdefault("drafted", 0)
     counts.setdefault("accepted", 0)
     hidden = hidden_pass(prompt_ids, cache, start) if hidden is None else hidden  # (L, 1024)
     logits = linear(hidden[-1:], "lm_head")[-1]                       # (vocab,) the next id's
-    mtp_cache, history = [None] * (N_LAYERS + 1), list(prompt_ids)
-    for i in range(0, len(prompt_ids) - 1 if draft == "mtp" else 0, CHUNK):  # the head's cache
-        ids = mx.array(prompt_ids[i + 1:i + 1 + CHUNK])  # over the prompt, shifted by one token
-        mtp_logits(ids, hidden[i:i + len(ids)], mtp_cache, start + i, start)
-        mx.eval(mtp_cache)
-    pos, end = start + len(prompt_ids), min(start + len(prompt_ids) + max_tokens, MAX_POS)
-    token, rows, at = sampler(logits).item(), hidden[-1:], pos - 1
-    while pos < end:  # token: the model's id at pos, not in the cache yet; rows: h_at .. h_pos-1
+    mtp_cache = mtp_prefill(prompt_ids, hidden, start) if draft == "mtp" else None
+    history, pos = list(prompt_ids), start + len(prompt_ids)
+    end = min(pos + max_tokens, MAX_POS)
+    # A worked example: the prompt fills positions 0..4; token, the model's id x5, is at pos 5,
+    # not in the cache yet; the head has read (x_t+1, h_t) up to t = 3: unread, h_4 at 4. Draft:
+    # from (x5, h4), d6. Verify: the model on [x5, d6] at 5, 6 chooses c6 after x5, c7 after d6.
+    # Accept: if c6 == d6, x5 and d6 are emitted and token = c7 at pos 7, unread h5, h6 from 5;
+    # else x5 alone, token = c6 at pos 6 (d6's keys at 6 are written over), unread h5 from 5.
+    token, unread, at = sampler(logits).item(), hidden[-1:], pos - 1
+    while pos < end:  # token: the model's id at pos
         if not mx.isfinite(logits).all().item():
             raise not_finite(f"at position {pos}", logits.dtype)
         if token in EOS_IDS:
@@ -494,24 +518,17 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1,
         if pos + 1 >= end:
             forward([token], cache, pos)  # into the cache, as generate() leaves it
             return
-        if draft == "mtp":  # the head reads (x_t+1, h_t) from at on: the ids it has not seen
-            guess = mtp_logits(mx.array(history[at + 1 - start:] + [token]), rows, mtp_cache, at,
-                               start)
-            proposal = mx.argmax(guess[-1:], axis=-1)                 # (1,) its id, lazy
+        if draft == "mtp":  # Step 1, draft: the head reads the ids after its unread h_t's
+            guess = mtp_logits(mx.array(history[at + 1 - start:] + [token]), unread, mtp_cache,
+                               at, start)                             # (unread, vocab)
+            drafts = mx.argmax(guess[-1:], axis=-1)                   # (1,) its id, lazy
         else:
-            proposal = mx.array(lookup_draft(history + [token], k), mx.uint32)  # (k,) or (0,)
-        proposal = proposal[:end - pos - 1]                           # never past the end
-        kept = {i: [] for i in range(N_LAYERS) if deltanet(i)}  # its notes after each id:
-        for i, notes in kept.items():                             # delta_memory() fills the list
-            cache[i] = (*cache[i], notes)
-        blocks = []
-        logits = forward(mx.concatenate([mx.array([token], mx.uint32), proposal]), cache, pos,
-                         blocks)                                      # (1 + k, vocab) one pass
-        choices = sampler(logits)                                     # (1 + k,) the model's own
-        drafts, choices = proposal.tolist(), choices.tolist()
-        n = 0  # accepted: the drafts equal to the model's own choice, up to the first that is not
-        while n < len(drafts) and choices[n] == drafts[n] and drafts[n] not in EOS_IDS:
-            n += 1
+            drafts = mx.array(lookup_draft(history + [token], k), mx.uint32)  # (k,) or (0,)
+        drafts = drafts[:end - pos - 1]                               # never past the end
+        ids = mx.concatenate([mx.array([token], mx.uint32), drafts])  # (1 + k,)
+        logits, choices, hidden, kept = verify_pass(ids, cache, pos, sampler)
+        drafts, choices = drafts.tolist(), choices.tolist()
+        n = accept(drafts, choices)
         counts["drafted"] += len(drafts)
         counts["accepted"] += n
         history += [token] + drafts[:n]
@@ -519,26 +536,23 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1,
             yield d
         for i, notes in kept.items():  # a DeltaNet's notes: those after the last id kept (a KV
             cache[i] = notes[n]         # cache's positions after it are written over)
-        hidden = rms_norm(blocks[-1], W["model.norm.weight"], EPS)    # (1 + k, 1024)
-        rows, at, pos = hidden[:n + 1], pos, pos + n + 1
+        unread, at, pos = hidden[:n + 1], pos, pos + n + 1
         token, logits = choices[n], logits[n]
 
 # ═══ Batching — several sequences share every weight read; a finished one makes room ═══
-# Decoding one token reads every weight once to multiply it by a single row, so the machine waits
-# on memory; multiplied by B rows, the same weights cost little more, for B tokens. Here B
-# sequences decode together, one token each at its own position, in one cache per layer: the
-# article's tuple with a slot axis in front, keys and values (B, 8, S, 128) (Qwen3.5's notes,
-# (B, 3, 6144) and (B, 16, 128, 128)). A row writes its token at its own position of its slot and
-# sees its own keys up to there: its mask says so. A sequence that ends frees its slot for the
-# next prompt, so a batch holds at most B sequences' memory, however many prompts wait.
+# Decoding one token reads every weight to multiply it by one row: the machine waits on memory.
+# B rows cost little more, for B tokens. Here B sequences decode together in one cache per layer,
+# the article's tuple with a slot axis in front: keys and values (B, 8, S, 128) (a DeltaNet's
+# notes, (B, 3, 6144) and (B, 16, 128, 128)). Each row writes its token at its own position and
+# sees its own keys up to there (its mask). A sequence that ends frees its slot for the next
+# prompt: a batch holds at most B sequences' memory, however many prompts wait.
 
 class Row:
-    """One prompt of a batch: "waiting" for a slot; "prefilling" (its cache filled alone, its last
-    id in the next batch pass); "decoding" (token: the id at position pos, lazily, and whether the
-    logits it came from were finite); "done"."""
+    """One prompt of a batch: "waiting"; "prefilling" (its cache filled alone, its last id in the
+    next pass); "decoding" (token: its id at pos, lazy, finite: its logits' check); "done"."""
     def __init__(self, i, ids, max_tokens):
         self.i, self.ids, self.status = i, ids, "waiting"
-        self.end = min(len(ids) + max_tokens, MAX_POS)                # it stops before this position
+        self.end = min(len(ids) + max_tokens, MAX_POS)                # it stops before this
         self.pos, self.token, self.finite = len(ids) - 1, mx.array(ids[-1]), None
 
 def padded(a, axis, size):  # a, with zeros after it along axis up to size (if shorter)

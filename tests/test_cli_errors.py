@@ -120,7 +120,7 @@ def test_tensor_missing_or_wrong_shape(broken):
     (["--temp", "nan"], "--temperature must be 0 or more"),
     (["--top-p", "0"], "--top-p must be more than 0 and at most 1"),
     (["--top-p", "1.5"], "--top-p must be more than 0 and at most 1"),
-    (["--top-k", "5"], "unrecognized arguments: --top-k 5"),
+    (["--top-k", "-1"], "--top-k must be 0 or more"),
     (["--show-probs", "-1"], "--show-probs must be 0 or more"),
     (["--seed", "-1"], "--seed must be from 0 to 2**64 - 1"),
     (["--seed", str(2**64)], "--seed must be from 0 to 2**64 - 1"),

@@ -56,17 +56,29 @@ def quantized(checkpoint, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
 def test_dequantize_is_mx_dequantize(dtype):
-    """Bit for bit, every width MLX's affine mode writes (3, 5 and 6 bits straddle bytes), every
-    group size, every float dtype of the scales."""
+    """Every width MLX's affine mode writes (3, 5 and 6 bits straddle bytes), every group size,
+    every float dtype of the scales. Bit for bit what MLX's GPU kernels compute (since MLX 0.32.1:
+    scale * q + bias in float32, then the scales' dtype), which mx.dequantize gives on any device
+    for float32 scales, cast after. Against mx.dequantize on the scales as they are (a CPU adds in
+    their dtype, a product and a sum each rounded): within one rounding of that dtype, relative to
+    the terms (scale * q and bias may cancel): 2^-7 for bfloat16, 2^-10 for float16, 0 for
+    float32 -- a claim that holds on the CPU and the GPU alike."""
     rng = np.random.default_rng(0)
     w = mx.array(rng.normal(0, 0.05, (48, 384)).astype(np.float32)).astype(dtype)
+    ulp = {mx.float32: 0.0, mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}[dtype]
     for bits in (2, 3, 4, 5, 6, 8):
         for group in (32, 64, 128):
             packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
             ours = li.dequantize(packed, scales, biases, bits)
             assert ours.dtype == dtype and ours.shape == w.shape
-            assert mx.array_equal(ours, mx.dequantize(packed, scales, biases, group_size=group,
-                                                      bits=bits)).item(), (bits, group)
+            f32 = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32),
+                                group_size=group, bits=bits)           # float32 throughout
+            assert mx.array_equal(ours, f32.astype(dtype)).item(), (bits, group)
+            native = mx.dequantize(packed, scales, biases, group_size=group, bits=bits)
+            terms = mx.abs(f32 - mx.repeat(biases, group, axis=-1)) + \
+                mx.abs(mx.repeat(biases, group, axis=-1)).astype(mx.float32)  # |scale q| + |bias|
+            err = mx.abs(ours.astype(mx.float32) - native.astype(mx.float32))
+            assert (err <= ulp * terms).all().item(), (bits, group)
 
 
 @pytest.mark.parametrize("bits, group", [(4, 64), (8, 128), (3, 32)])
@@ -154,8 +166,10 @@ def test_prefill_and_decode_equal_one_forward(quantized, tokenizer):
 def test_embedding_unpacks_only_the_rows_it_picks(quantized):
     li.load(quantized("mixed-tied"))
     ids = [5, 77, 5, 639]
-    table = mx.dequantize(li.W["model.embed_tokens.weight"], li.W["model.embed_tokens.scales"],
-                          li.W["model.embed_tokens.biases"], group_size=128, bits=8)
+    table = mx.dequantize(li.W["model.embed_tokens.weight"],                # float32, then cast:
+                          li.W["model.embed_tokens.scales"].astype(mx.float32),  # dequantize()'s
+                          li.W["model.embed_tokens.biases"].astype(mx.float32), group_size=128,
+                          bits=8).astype(li.W["model.embed_tokens.scales"].dtype)
     assert mx.array_equal(li.embed(ids), table[mx.array(ids)]).item()
     assert li.W["lm_head.weight"] is li.W["model.embed_tokens.weight"]  # tied: the same packed table
 
