@@ -125,7 +125,7 @@ def queries_keys_values(x, p, rope):
     k = linear(x, p + "k_proj").reshape(-1, N_KV, D_HEAD)             # (L, 8, 128)
     v = linear(x, p + "v_proj").reshape(-1, N_KV, D_HEAD)             # (L, 8, 128)
     q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm: each head of q
-    k = rms_norm(k, W[p + "k_norm.weight"], EPS)                      # and of k, before RoPE
+    k = rms_norm(k, W[p + "k_norm.weight"], EPS)                      # QK-norm: each head of k
     q = apply_rope(q, *rope)                                          # (L, 16, 128)
     k = apply_rope(k, *rope)                                          # (L, 8, 128)
     return q, k, v
@@ -137,7 +137,7 @@ def cache_write(cache, layer_idx, k, v, start):
     keys, values = cache[layer_idx] or (mx.zeros((k.shape[1], 0, k.shape[2]), k.dtype),) * 2
     if keys.shape[1] < end:                                           # full: GROW more positions
         more = mx.zeros((k.shape[1], -(-end // GROW) * GROW - keys.shape[1], k.shape[2]), k.dtype)
-        keys = mx.concatenate([keys, more], axis=1)                   # (8, 256, 128), (8, 512, ..
+        keys = mx.concatenate([keys, more], axis=1)                   # (8, 256 more, 128)
         values = mx.concatenate([values, more], axis=1)
     keys[:, start:end] = k.transpose(1, 0, 2)                         # positions start..end-1
     values[:, start:end] = v.transpose(1, 0, 2)
@@ -187,8 +187,8 @@ def transformer_block(x, layer_idx, cache, start, rope, visible, attention=atten
     return x
 
 @mx.compile
-def add_rms_norm(x, out, w, eps):  # the residual add and the RMSNorm after it, in one trace:
-    x = x + out                    # the add fused into RMSNorm's first kernel
+def add_rms_norm(x, out, w, eps):  # x + out, and its RMSNorm: one trace, the add fused in
+    x = x + out
     return x, rms_norm(x, w, eps)
 
 # ═══ Step 8. LM head and sampling — a score for every token, then pick the next one ═══
@@ -197,7 +197,7 @@ def lm_head(x):
     x = rms_norm(x, W["model.norm.weight"], EPS)                      # (L, 1024)
     return linear(x, "lm_head")                                       # (L, 151936) (0.6B: tied)
 
-def forward(token_ids, cache, start, hidden=None):  # hidden: a list, given x after each block
+def forward(token_ids, cache, start, blocks=None):  # blocks: a list, given x after each block
     """L ids at positions start.. -> logits (L, vocab): Steps 2-8. cache: one tuple per layer."""
     x = embed(token_ids)                                              # (L, 1024)
     end = start + x.shape[0]                                          # S: positions after this call
@@ -207,8 +207,8 @@ def forward(token_ids, cache, start, hidden=None):  # hidden: a list, given x af
     mixer = qwen35_attention if MODEL == "qwen3_5" else attention     # Qwen3.5's layers: Part II
     for i in range(N_LAYERS):
         x = transformer_block(x, i, cache, start, rope, visible, mixer)  # (L, 1024)
-        if hidden is not None:
-            hidden.append(x)
+        if blocks is not None:
+            blocks.append(x)
     return lm_head(x)                                                 # (L, 151936)
 
 def sample(logits, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0):
@@ -232,14 +232,14 @@ def sample(logits, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0):
     return mx.take_along_axis(order, picked[..., None], axis=-1)[..., 0]  # (...) its id
 
 # ═══ Step 9. Generate — read the prompt once, then write one token at a time ═══
-def prefill(prompt_ids, cache, start=0, hidden=None):
+def prefill(prompt_ids, cache, start=0, blocks=None):
     """Run the prompt into the cache at positions start.. -> its last token's logits (vocab,). The
     article computes every token's logits; here the others only fill the cache, CHUNK at a time."""
     *head, last = prompt_ids
     for i in range(0, len(head), CHUNK):
         forward(head[i:i + CHUNK], cache, start + i)
         mx.eval(cache)
-    return forward([last], cache, start + len(head), hidden)[-1]      # (vocab,)
+    return forward([last], cache, start + len(head), blocks)[-1]      # (vocab,)
 
 def not_finite(where, dtype):  # the weights are finite (load checks them): the numbers overflowed
     name = str(dtype).split(".")[-1]  # float16, not mlx.core.float16
@@ -286,7 +286,7 @@ def dequantize(packed, scales, biases, bits):
     in float32, then the scales' dtype (as MLX's GPU kernels compute it; its CPU ones, in the
     scales' dtype: one rounding apart at most)."""
     n = packed.shape[-1] * 32 // bits                                 # values in a row
-    stream = mx.pad(packed.view(mx.uint8), [(0, 0)] * (packed.ndim - 1) + [(0, 1)])  # its bytes, 0
+    stream = mx.pad(packed.view(mx.uint8), [(0, 0)] * (packed.ndim - 1) + [(0, 1)])  # bytes, a 0
     stream = stream.astype(mx.uint32)                                 # (..., n * bits / 8 + 1)
     start = mx.arange(n) * bits                                       # (n,) where q_i's bits start
     pair = stream[..., start // 8] | stream[..., start // 8 + 1] << 8  # (..., n) the 2 bytes of q_i
@@ -305,9 +305,8 @@ def embed_quantized(ids):  # a quantised embedding: only the rows the ids pick a
     return dequantize(*rows, rows[0].shape[-1] * 32 // D)             # (L, 1024)
 
 # ═══ Qwen3.5 — hybrid attention: 3 layers in 4 keep compressed notes, the 4th its full memory ═══
-def deltanet(layer_idx):  # is this one of Qwen3.5's Gated DeltaNet layers? (layer_types says)
-    return MODEL == "qwen3_5" and layer_idx < N_LAYERS and \
-        QWEN35["layer_types"][layer_idx] == "linear_attention"
+def deltanet(layer_idx):  # one of Qwen3.5's Gated DeltaNet layers? (layer N: the MTP head's, no)
+    return MODEL == "qwen3_5" and QWEN35["layer_types"][layer_idx:][:1] == ["linear_attention"]
 
 def qwen35_attention(x, layer_idx, cache, start, rope, visible):  # forward()'s, for Qwen3.5
     if deltanet(layer_idx):                                           # 18 of 24
@@ -316,8 +315,7 @@ def qwen35_attention(x, layer_idx, cache, start, rope, visible):  # forward()'s,
 
 def gated_attention(x, layer_idx, cache, start, rope, visible):
     """Step 5's attention, three things changed: q_proj also gives each head a gate, RoPE turns
-    only the first quarter of each head (rope: Qwen3's tables, unused), and the heads' output is
-    scaled by sigmoid(gate)."""
+    the first quarter of each head (its own tables, not rope's), the output is gated."""
     q, k, v, gate = gated_queries(x, layer_idx, mx.arange(start, start + x.shape[0]))
     keys, values = cache_write(cache, layer_idx, k, v, start)         # (2, S, 256) each
     out = attend(q, keys, values, visible)                            # (L, 2048)
@@ -362,7 +360,7 @@ def gated_delta_net(x, layer_idx, cache):
     decay = mx.exp(-mx.exp(W[p + "A_log"]) * step)                    # (L, 16)
     y = delta_memory(cache, layer_idx, qkv, beta, decay)              # (L, 16, 128) float32
     y = rms_norm(y.astype(x.dtype), W[p + "norm.weight"], EPS)        # (L, 16, 128)
-    gate = z.astype(mx.float32)                                       # the output gate:
+    gate = z.astype(mx.float32)                                       # (L, 16, 128) output gate
     y = y.astype(mx.float32) * (gate * mx.sigmoid(gate))              # (L, 16, 128) y * silu(z)
     return linear(y.astype(x.dtype).reshape(*lead, -1), p + "out_proj")  # (L, 1024)
 
@@ -374,7 +372,7 @@ def delta_memory(cache, layer_idx, qkv, beta, decay):
     p, L, lead = f"model.layers.{layer_idx}.linear_attn.", qkv.shape[-2], qkv.shape[:-2]
     hk, hv = QWEN35["linear_num_key_heads"], QWEN35["linear_num_value_heads"]        # 16, 16
     dk, dv = QWEN35["linear_key_head_dim"], QWEN35["linear_value_head_dim"]          # 128, 128
-    width = QWEN35["linear_conv_kernel_dim"]                          # 4 tokens: the convolution's
+    width = QWEN35["linear_conv_kernel_dim"]                          # the convolution's: 4
     if cache[layer_idx] is None:                                      # nothing remembered yet
         cache[layer_idx] = (mx.zeros((*lead, width - 1, qkv.shape[-1]), qkv.dtype),
                             mx.zeros((*lead, hv, dk, dv)))            # float32, as mx.zeros makes
@@ -387,10 +385,11 @@ def delta_memory(cache, layer_idx, qkv, beta, decay):
     qkv = sum(window[..., j:j + L, :] * conv[:, j] for j in range(width))  # (L, 6144)
     qkv = qkv * mx.sigmoid(qkv)                                       # (L, 6144) SiLU
     q, k, v = mx.split(qkv, [hk * dk, 2 * hk * dk], axis=-1)
-    q = l2_norm(q.reshape(*lead, L, hk, dk)) / math.sqrt(dk)          # (L, 16, 128) and attention's
-    k = l2_norm(k.reshape(*lead, L, hk, dk))                          # (L, 16, 128) 1 / sqrt(dk)
-    q = mx.repeat(q, hv // hk, axis=-2)                               # (L, 16, 128) value head h
-    k = mx.repeat(k, hv // hk, axis=-2)                               # reads key head h // (hv/hk)
+    q = l2_norm(q.reshape(*lead, L, hk, dk)) / math.sqrt(dk)          # (L, 16, 128) |q| = dk^-1/2
+    k = l2_norm(k.reshape(*lead, L, hk, dk))                          # (L, 16, 128) |k| = 1
+    # Value head h reads key head h // (hv / hk): each key head repeated for its value heads.
+    q = mx.repeat(q, hv // hk, axis=-2)                               # (L, 16, 128)
+    k = mx.repeat(k, hv // hk, axis=-2)                               # (L, 16, 128)
     v, out = v.reshape(*lead, L, hv, dv), []                          # (L, 16, 128)
     for t in range(L):                                                # token after token
         state, y = delta_step(state, q[..., t, :, :], k[..., t, :, :], v[..., t, :, :],
@@ -412,13 +411,12 @@ def delta_step(state, q, k, v, decay, beta):
 
 # ═══ Multi-token prediction — a quick guess at the next tokens, checked in one pass ═══
 # Decoding waits on memory: one pass over 2 tokens costs about what one over 1 does. So guess the
-# token after the next one cheaply (a draft), and let the model check it: it runs once on
-# [next, draft], and where its own choice after `next` equals the draft, both stand and the second
-# row gives one more token for free. The rule (mlx-lm's): every token emitted is the model's own
-# choice at its position (its argmax, or its own sample), and a draft only saves the pass that
-# would have made it; so greedy tokens are exactly generate()'s, and sampling keeps exactly the
-# model's distribution (the article's "a little quality" is not lost here). Drafts come from
-# Qwen3.5's MTP head, or, for any model, from the text so far (prompt lookup).
+# token after the next one cheaply (a draft: Qwen3.5's MTP head, or for any model the text so far,
+# prompt lookup) and let the model check it in one pass over [next, draft]: where its own choice
+# after `next` is the draft, both stand, and the second row gives one more token for free. Every
+# token emitted is the model's own choice (mlx-lm's rule), so greedy tokens are generate()'s (bit
+# for bit in float32; in bfloat16 a pass over 2 rows may round apart) and sampling keeps the
+# model's distribution: the article's "a little quality" is not lost here.
 def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
     """Qwen3.5's MTP head: ids x_{t+1} (L,) and the model's last hidden states h_t (L, D), after
     its final norm, at positions start.. -> logits (L, vocab) for x_{t+2}. Its layer is one of
@@ -446,15 +444,15 @@ def hidden_pass(token_ids, cache, start, lens=None):
     """Steps 2-7 for the ids at positions start.., CHUNK at a time -> the last block's output
     after the final norm (L, D), what the MTP head reads; the LM head is left to the caller.
     lens: a list, given the last token's x after each block (--explain's logit lens)."""
-    rows = []
+    chunks = []
     for i in range(0, len(token_ids), CHUNK):
         blocks = []
         forward(token_ids[i:i + CHUNK], cache, start + i, blocks)  # its logits are never computed
-        rows.append(rms_norm(blocks[-1], W["model.norm.weight"], EPS))
-        mx.eval(rows[-1], cache)
+        chunks.append(rms_norm(blocks[-1], W["model.norm.weight"], EPS))
+        mx.eval(chunks[-1], cache)
     if lens is not None:
         lens.extend(x[-1:] for x in blocks)
-    return mx.concatenate(rows)                                       # (L, 1024)
+    return mx.concatenate(chunks)                                     # (L, 1024)
 
 def mtp_prefill(prompt_ids, hidden, start):
     """The MTP head's own KV cache over the prompt: it reads (x_t+1, h_t) for t = start.., the
@@ -488,12 +486,11 @@ def accept(drafts, choices):
 
 def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1, cache=None,
                    start=0, hidden=None, counts=None):
-    """generate(), each step in three: draft (guess ids ahead: the MTP head 1, prompt lookup up
-    to k), verify (one pass), accept (the drafts the model agrees with; the DeltaNet rolled back
-    to there). Greedy: the same ids as generate() (proven in float32); sampled: the model's own
-    distribution. hidden: hidden_pass()'s, if it ran the prompt in. counts: a dict, given
-    "drafted" and "accepted". A continued cache (start > 0): the head's own cache and the lookup
-    see this call's ids only."""
+    """generate(), each step in three: draft (ids guessed ahead: the MTP head's 1, or up to k by
+    prompt lookup), verify (one pass), accept (the drafts the model agrees with, the DeltaNet
+    rolled back to there). hidden: hidden_pass()'s, if it ran the prompt in; counts: a dict, given
+    "drafted" and "accepted". A continued cache (start > 0): the head and the lookup see this
+    call's ids only."""
     cache = [None] * N_LAYERS if cache is None else cache
     counts = {} if counts is None else counts
     counts.setdefault("drafted", 0)
@@ -534,8 +531,8 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1,
         history += [token] + drafts[:n]
         for d in drafts[:n]:  # each the model's own choice: emitted as generate() would
             yield d
-        for i, notes in kept.items():  # a DeltaNet's notes: those after the last id kept (a KV
-            cache[i] = notes[n]         # cache's positions after it are written over)
+        for i, notes in kept.items():  # each DeltaNet back to its notes after the last id kept
+            cache[i] = notes[n]         # (a KV cache's positions after it are written over)
         unread, at, pos = hidden[:n + 1], pos, pos + n + 1
         token, logits = choices[n], logits[n]
 
@@ -572,41 +569,35 @@ def take_slot(cache, b, own):
             continue
         arrays = [padded(a, 0, b + 1) for a in cache[i]]              # (B, ...) a slot more
         for j, a in enumerate(arrays):
-            if entry is None:
-                a[b] = 0
-            else:
-                arrays[j] = a = padded(a, 2, entry[j].shape[1])
-                a[b, :, :entry[j].shape[1]] = entry[j]
+            part = mx.zeros_like(a[b]) if entry is None else entry[j]  # own's array, or zeros
+            arrays[j] = a = padded(a, 2, part.shape[1])
+            a[b, :, :part.shape[1]] = part
         cache[i] = tuple(arrays)
 
-def cache_write_rows(cache, layer_idx, k, v, positions, end):
-    """k, v (B, KV, hd): each row's token, written at positions[b] of slot b -> the layer's keys
-    and values (B, KV, S, hd), S = end: Step 5's cache_write(), each row at its own position."""
+def attend_rows(cache, layer_idx, q, k, v, positions, visible):
+    """q (B, H, hd), k, v (B, KV, hd): one token of each row, written at positions[b] of slot b of
+    the layer's cache -> (B, H * hd): Step 5's cache_write() and attend(), each row on its own."""
     keys, values = cache[layer_idx] or (mx.zeros((*k.shape[:2], 0, k.shape[2]), k.dtype),) * 2
-    room = -(-end // GROW) * GROW                                     # GROW positions at a time
+    end, room = visible.shape[1], -(-visible.shape[1] // GROW) * GROW  # S; GROW at a time
     keys, values = padded(keys, 2, room), padded(values, 2, room)     # (B, 8, room, 128)
     at = positions[:, None, None, None]                               # (B, 1, 1, 1)
     keys = mx.put_along_axis(keys, at, k[:, :, None], axis=2)         # row b at positions[b]
     values = mx.put_along_axis(values, at, v[:, :, None], axis=2)
     cache[layer_idx] = (keys, values)
-    return keys[:, :, :end], values[:, :, :end]                       # (B, 8, S, 128) each
-
-def attend_rows(q, keys, values, visible):  # Step 5's attend(), each row its own query and keys
-    return attend(q[:, None], keys, values, visible[:, None, None, None])[:, 0]  # (B, heads * hd)
+    seen = visible[:, None, None, None]                               # (B, 1, 1, 1, S) its own keys
+    return attend(q[:, None], keys[:, :, :end], values[:, :, :end], seen)[:, 0]  # (B, H * hd)
 
 def attention_rows(x, layer_idx, cache, positions, rope, visible):
     """Step 5 on B rows, one token of each sequence, row b at positions[b] -> (B, D)."""
     p = f"model.layers.{layer_idx}.self_attn."
     q, k, v = queries_keys_values(x, p, rope)                         # (B, 16, 128), (B, 8, 128)
-    keys, values = cache_write_rows(cache, layer_idx, k, v, positions, visible.shape[1])
-    return linear(attend_rows(q, keys, values, visible), p + "o_proj")  # (B, 1024)
+    return linear(attend_rows(cache, layer_idx, q, k, v, positions, visible), p + "o_proj")
 
 def qwen35_attention_rows(x, layer_idx, cache, positions, rope, visible):  # the same for Qwen3.5
     if deltanet(layer_idx):
         return gated_delta_net(x[:, None], layer_idx, cache)[:, 0]    # (B, 1, D): a token each
     q, k, v, gate = gated_queries(x, layer_idx, positions)            # (B, 8, 256), (B, 2, 256)
-    keys, values = cache_write_rows(cache, layer_idx, k, v, positions, visible.shape[1])
-    out = attend_rows(q, keys, values, visible)                       # (B, 2048)
+    out = attend_rows(cache, layer_idx, q, k, v, positions, visible)  # (B, 2048)
     return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
 
 def forward_batch(token_ids, cache, positions):
