@@ -431,13 +431,13 @@ def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
     x = transformer_block(x, N_LAYERS, mtp_cache, start, None, visible, gated_attention)
     return linear(rms_norm(x, W["mtp.norm.weight"], EPS), "lm_head")  # (L, vocab)
 
-def lookup_draft(history, k, longest=3):
-    """Prompt lookup: the last n ids (n = 3, then 2, 1) found earlier in history -> the k ids that
-    followed their latest earlier match ([] if none)."""
+def lookup_draft(history, n_draft, longest=3):
+    """Prompt lookup: the last n ids (n = 3, then 2, 1) found earlier in history -> the n_draft
+    ids that followed their latest earlier match ([] if none)."""
     for n in range(longest, 0, -1):
         for i in range(len(history) - n - 1, -1, -1):
             if history[i:i + n] == history[-n:]:
-                return history[i + n:i + n + k]
+                return history[i + n:i + n + n_draft]
     return []
 
 def hidden_pass(token_ids, cache, start, lens=None):
@@ -465,15 +465,15 @@ def mtp_prefill(prompt_ids, hidden, start):
     return mtp_cache
 
 def verify_pass(ids, cache, pos, sampler):
-    """Step 2: the model over ids (the next id, then the drafts) at positions pos.., one pass ->
-    its logits (1 + k, vocab) and own choice (1 + k,) after each id, its hidden states (1 + k, D)
+    """Step 2: the model over ids (the next id, then K drafts) at positions pos.., one pass -> its
+    logits (1 + K, vocab) and own choice (1 + K,) after each id, its hidden states (1 + K, D)
     (what the MTP head reads), and each DeltaNet layer's notes after each id (for a rollback)."""
     kept = {i: [] for i in range(N_LAYERS) if deltanet(i)}
     for i, notes in kept.items():  # a list in the cache entry: delta_memory() fills it
         cache[i] = (*cache[i], notes)
     blocks = []
-    logits = forward(ids, cache, pos, blocks)                         # (1 + k, vocab)
-    hidden = rms_norm(blocks[-1], W["model.norm.weight"], EPS)        # (1 + k, 1024)
+    logits = forward(ids, cache, pos, blocks)                         # (1 + K, vocab)
+    hidden = rms_norm(blocks[-1], W["model.norm.weight"], EPS)        # (1 + K, 1024)
     return logits, sampler(logits), hidden, kept
 
 def accept(drafts, choices):
@@ -484,10 +484,10 @@ def accept(drafts, choices):
         n += 1
     return n
 
-def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1, cache=None,
-                   start=0, hidden=None, counts=None):
-    """generate(), each step in three: draft (ids guessed ahead: the MTP head's 1, or up to k by
-    prompt lookup), verify (one pass), accept (the drafts the model agrees with, the DeltaNet
+def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_draft=1,
+                   cache=None, start=0, hidden=None, counts=None):
+    """generate(), each step in three: draft (ids guessed ahead: the MTP head's 1, or up to n_draft
+    by prompt lookup), verify (one pass), accept (the drafts the model agrees with, the DeltaNet
     rolled back to there). hidden: hidden_pass()'s, if it ran the prompt in; counts: a dict, given
     "drafted" and "accepted". A continued cache (start > 0): the head and the lookup see this
     call's ids only."""
@@ -520,9 +520,9 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", k=1,
                                at, start)                             # (unread, vocab)
             drafts = mx.argmax(guess[-1:], axis=-1)                   # (1,) its id, lazy
         else:
-            drafts = mx.array(lookup_draft(history + [token], k), mx.uint32)  # (k,) or (0,)
+            drafts = mx.array(lookup_draft(history + [token], n_draft), mx.uint32)  # (K,), K >= 0
         drafts = drafts[:end - pos - 1]                               # never past the end
-        ids = mx.concatenate([mx.array([token], mx.uint32), drafts])  # (1 + k,)
+        ids = mx.concatenate([mx.array([token], mx.uint32), drafts])  # (1 + K,)
         logits, choices, hidden, kept = verify_pass(ids, cache, pos, sampler)
         drafts, choices = drafts.tolist(), choices.tolist()
         n = accept(drafts, choices)
@@ -628,14 +628,14 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
                 mx.eval(own)
             b = slots.index(None) if None in slots else len(slots)
             take_slot(cache, b, own)
+            # Its last id rides in the next batch pass at its own position: that row's logits are
+            # its prompt's, and the weights are read once for all rows, not once more for it.
             slots[b:b + 1], row.status = [row], "prefilling"
         if None in slots:  # no prompt left to take them: the free slots go, the batch shrinks
             kept = mx.array([b for b, row in enumerate(slots) if row is not None], mx.int32)
             slots = [row for row in slots if row is not None]
             cache[:] = [None if entry is None else tuple(a[kept] for a in entry) for entry in cache]
-        # Its last id rides in the next batch pass, at its own position: that row's logits are its
-        # prompt's, so its first token is its own, and the weights are read once for all rows.
-        # The pass is queued before this pass's tokens are looked at (as in generate()).
+        # The next pass is queued before the tokens it follows are looked at, as in generate().
         if any(row.pos + 1 < row.end for row in slots):  # a next token is wanted
             logits = forward_batch(mx.stack([row.token for row in slots]), cache,
                                    [row.pos for row in slots])        # (B, vocab)

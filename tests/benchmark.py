@@ -200,7 +200,7 @@ def draft_rows(folders, draft, runs, n_new=64):
         figures, counts = {"plain": [], "draft": [], "mlx-lm": []}, {}
         ways = {"plain": lambda: li.generate(prompt, max_tokens=n_new),
                 "draft": lambda: li.generate_draft(prompt, n_new, draft=draft,
-                                                   k=1 if draft == "mtp" else 3, counts=counts),
+                                                   n_draft=1 if draft == "mtp" else 3, counts=counts),
                 "mlx-lm": lambda: MlxLm(model).generate(prompt, n_new)}
         for run in range(runs + 1):
             for name, way in ways.items():

@@ -57,7 +57,7 @@ def test_prompt_lookup_gives_generates_ids(checkpoint, qwen35, model, k):
     li.load(checkpoint() if model == "qwen3" else qwen35(mtp="none"))
     for text in TEXTS + ["a a a a a a a a", "1 2 3 1 2 3 1 2 3 1 2"]:
         ids = li.tokenize(text)
-        assert drafted(ids, 20, draft="lookup", k=k)[0] == list(li.generate(ids, max_tokens=20))
+        assert drafted(ids, 20, draft="lookup", n_draft=k)[0] == list(li.generate(ids, max_tokens=20))
 
 
 def test_lookup_drafts_what_followed_before():
