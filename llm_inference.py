@@ -87,13 +87,15 @@ def rms_norm(x, w, eps=1e-6):
 
 # ═══ Step 4. RoPE — a clock hand per pair of dimensions, turned by the token's position ═══
 def rope_tables(positions, dtype, dims=None):
-    """positions (L,) -> cos, signed_sin (L, 1, 128): pair i turns by position * f_i. Once per pass
-    (the article: in each layer), in the model's dtype (its float32 ones promote q, k, then all)."""
+    """positions (L,) -> cos, signed_sin (L, 1, 2, 64), for the two halves of each head: pair i
+    turns by position * f_i. Once per pass (the article: in each layer), in the model's dtype
+    (its float32 ones would promote q, k, then all)."""
     half = (dims or D_HEAD) // 2                                      # 64
     freqs = 1.0 / THETA ** (mx.arange(half, dtype=mx.float32) / half)  # (64,) f_i
-    angles = positions.astype(mx.float32)[:, None, None] * freqs      # (L, 1, 64) float32
-    cos, sin = mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype)  # (L, 1, 64) each
-    return mx.concatenate([cos, cos], -1), mx.concatenate([-sin, sin], -1)  # (L, 1, 128) each
+    angles = positions.astype(mx.float32)[:, None, None, None] * freqs  # (L, 1, 1, 64) float32
+    cos = mx.broadcast_to(mx.cos(angles), (*angles.shape[:2], 2, half))  # (L, 1, 2, 64) cos, cos
+    signed_sin = mx.sin(angles) * mx.array([[-1.0], [1.0]])           # (L, 1, 2, 64) -sin, sin
+    return cos.astype(dtype), signed_sin.astype(dtype)
 
 @mx.compile
 def apply_rope(x, cos, signed_sin):
@@ -104,8 +106,6 @@ def apply_rope(x, cos, signed_sin):
     if not isinstance(signed_sin, mx.array):  # the article's call: say ours
         raise TypeError("apply_rope() turns one tensor: apply_rope(q, *rope_tables(positions, dt))")
     halves = x.reshape(*x.shape[:-1], 2, -1)                          # (L, heads, 2, 64) x1, x2
-    cos = cos.reshape(cos.shape[0], 1, 2, -1)                         # (L, 1, 2, 64) cos, cos
-    signed_sin = signed_sin.reshape(cos.shape)                        # (L, 1, 2, 64) -sin, sin
     turned = halves * cos + halves[..., ::-1, :] * signed_sin         # (L, heads, 2, 64)
     return turned.reshape(x.shape)                                    # (L, heads, 128)
 
@@ -202,7 +202,7 @@ def forward(token_ids, cache, start, blocks=None):  # blocks: a list, given x af
     x = embed(token_ids)                                              # (L, 1024)
     end = start + x.shape[0]                                          # S: positions after this call
     positions = mx.arange(start, end)                                 # (L,)
-    rope = rope_tables(positions, x.dtype)                            # (L, 1, 128) each
+    rope = rope_tables(positions, x.dtype)                            # (L, 1, 2, 64) each
     visible = mx.arange(end)[None, :] <= positions[:, None]           # (L, S) key <= query
     mixer = qwen35_attention if MODEL == "qwen3_5" else attention     # Qwen3.5's layers: Part II
     for i in range(N_LAYERS):
@@ -331,7 +331,7 @@ def gated_queries(x, layer_idx, positions):
     v = linear(x, p + "v_proj").reshape(L, N_KV, D_HEAD)              # (L, 2, 256)
     q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm, as in Step 5
     k = rms_norm(k, W[p + "k_norm.weight"], EPS)
-    rope = rope_tables(positions, x.dtype, r)                         # (L, 1, 64) each
+    rope = rope_tables(positions, x.dtype, r)                         # (L, 1, 2, 32) each
     q = mx.concatenate([apply_rope(q[..., :r], *rope), q[..., r:]], axis=-1)  # (L, 8, 256)
     k = mx.concatenate([apply_rope(k[..., :r], *rope), k[..., r:]], axis=-1)  # (L, 2, 256)
     return q, k, v, gate.reshape(L, -1)
@@ -605,7 +605,7 @@ def forward_batch(token_ids, cache, positions):
     (B, vocab): Steps 2-8 on B rows at once."""
     x = embed(token_ids)                                              # (B, 1024)
     at = mx.array(positions)                                          # (B,)
-    rope = rope_tables(at, x.dtype)                                   # (B, 1, 128) each its own
+    rope = rope_tables(at, x.dtype)                                   # (B, 1, 2, 64) its own
     visible = mx.arange(max(positions) + 1)[None, :] <= at[:, None]   # (B, S) its own keys
     mixer = qwen35_attention_rows if MODEL == "qwen3_5" else attention_rows
     for i in range(N_LAYERS):
