@@ -550,7 +550,7 @@ class Row:
     def __init__(self, i, ids, max_tokens):
         self.i, self.ids, self.status = i, ids, "waiting"
         self.end = min(len(ids) + max_tokens, MAX_POS)                # it stops before this
-        self.pos, self.token, self.finite = len(ids) - 1, mx.array(ids[-1]), None
+        self.pos, self.token, self.finite = len(ids) - 1, mx.array(ids[-1]), mx.array(True)
 
 def padded(a, axis, size):  # a, with zeros after it along axis up to size (if shorter)
     more = list(a.shape)
@@ -635,15 +635,18 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
             kept = mx.array([b for b, row in enumerate(slots) if row is not None], mx.int32)
             slots = [row for row in slots if row is not None]
             cache[:] = [None if entry is None else tuple(a[kept] for a in entry) for entry in cache]
+        if not slots:  # every prompt done
+            return
+        tokens = mx.stack([row.token for row in slots])               # (B,) each row's, lazy
+        checks = mx.stack([row.finite for row in slots])              # (B,) its logits finite?
         # The next pass is queued before the tokens it follows are looked at, as in generate().
         if any(row.pos + 1 < row.end for row in slots):  # a next token is wanted
-            logits = forward_batch(mx.stack([row.token for row in slots]), cache,
-                                   [row.pos for row in slots])        # (B, vocab)
+            logits = forward_batch(tokens, cache, [row.pos for row in slots])  # (B, vocab)
             upcoming, finite = sampler(logits), mx.isfinite(logits).all(axis=-1)  # (B,) each
             mx.async_eval(upcoming, finite)
-        for b, row in enumerate(slots):
-            token = None if row.status == "prefilling" else row.token.item()  # its own choice
-            if token is not None and not row.finite.item():
+        for b, row, token, ok in zip(range(len(slots)), slots, tokens.tolist(), checks.tolist()):
+            token = None if row.status == "prefilling" else token     # its prompt's last id: not
+            if token is not None and not ok:
                 raise not_finite(f"of prompt {row.i + 1}", logits.dtype)
             if token is not None and token not in EOS_IDS:
                 yield row.i, token

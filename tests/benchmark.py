@@ -176,6 +176,7 @@ def batch_kernels(prompts, single=False):
         own = [None] * li.N_LAYERS
         mx.eval(li.prefill(ids, own), own)
         li.take_slot(cache, b, own)
+    mx.eval(cache)
     if single:
         step = lambda: li.forward([5], own, len(prompts[0]))[-1]  # noqa: E731
     else:
