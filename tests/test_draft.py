@@ -9,6 +9,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3_5 import DecoderLayer
+from mlx_lm.utils import load_model
 
 import llm_inference as li
 from test_cli_errors import assert_error, run_cli
@@ -168,3 +172,90 @@ def test_command_line(qwen35, checkpoint):
 def test_a_folder_without_the_head_runs_as_today(qwen35):
     r = run_cli("--model", str(qwen35(mtp="none")), "-m", "4")
     assert r.returncode == 0 and "; no MTP head): " in r.stdout.splitlines()[0], r.stderr
+
+
+# ═══ The MTP head against mlx-lm's pieces (issue "Part II as plain as Part I") ═══
+# The heads above are never accepted (random) or built to ignore h_t (agree), so a wrong position,
+# an empty head cache or a pre-norm h_t moves no count there. Here the head's logits are checked,
+# row by row, against a head assembled from mlx-lm's own layers on the same 15 tensors.
+class ReferenceHead:
+    """Qwen3.5's MTP head from mlx-lm's code: mlx_lm.utils.load_model() gives the model (h_t: its
+    Qwen3_5TextModel's output, which ends with the final norm; the embedding; the LM head), and
+    mlx_lm.models.qwen3_5.DecoderLayer, a full-attention one (layer index 3 of 4), loaded with the
+    mtp.layers.0.* tensors, is the head's layer, on mlx-lm's own KVCache (RoPE from its offset).
+    mlx-lm's sanitize() drops every mtp.* tensor, so they are read here with mx.load; Hugging
+    Face's Qwen3.5 stores each norm as an offset from 1 (its RMSNorm multiplies by 1 + weight), so
+    1 is added to each of the head's 7 norms (every mtp.* name holding "norm"), as sanitize() does
+    to the model's and qwen35_weights() to all. The head: e = RMSNorm(embed(x_t+1)), h =
+    RMSNorm(h_t), x = fc([e; h]), the layer, RMSNorm (mtp.norm), the model's LM head."""
+
+    def __init__(self, folder):
+        self.model, _ = load_model(Path(folder))
+        text = self.model.language_model
+        self.args, self.text = text.args, text
+        stored = mx.load(str(Path(folder) / "model.safetensors"))
+        mtp = {name[len("mtp."):]: w + 1 if "norm" in name else w
+               for name, w in stored.items() if name.startswith("mtp.")}
+        assert len(mtp) == 15 and sum("norm" in name for name in mtp) == 7
+        self.layer = DecoderLayer(self.args, self.args.full_attention_interval - 1)
+        assert not self.layer.is_linear
+        self.layer.load_weights([(name[len("layers.0."):], w) for name, w in mtp.items()
+                                 if name.startswith("layers.0.")], strict=True)
+        self.mtp, self.cache = mtp, KVCache()
+
+    def hidden(self, ids):
+        """h_t for each id (L, D): the model's last hidden states, after its final norm."""
+        return self.text.model(mx.array(ids)[None])[0]
+
+    def logits(self, tokens, hidden):
+        """x_t+1 (L,), h_t (L, D) at the next L positions of its cache -> logits (L, vocab)."""
+        eps, m = self.args.rms_norm_eps, self.mtp
+        e = mx.fast.rms_norm(self.text.model.embed_tokens(mx.array(tokens)),
+                             m["pre_fc_norm_embedding.weight"], eps)
+        h = mx.fast.rms_norm(hidden, m["pre_fc_norm_hidden.weight"], eps)
+        x = (mx.concatenate([e, h], axis=-1) @ m["fc.weight"].T)[None]  # (1, L, D)
+        x = self.layer(x, create_attention_mask(x, self.cache), self.cache)[0]
+        x = mx.fast.rms_norm(x, m["norm.weight"], eps)
+        if self.args.tie_word_embeddings:
+            return self.text.model.embed_tokens.as_linear(x)
+        return self.text.lm_head(x)
+
+
+def rel_err(ours, ref):
+    return (mx.abs(ours - ref).max() / mx.abs(ref).max()).item()
+
+
+HEAD_TOL = 1e-5  # float32, the same operations in another order (measured below: ~1e-7)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_heads_logits_equal_mlx_lms_layers(qwen35, tied):
+    """mtp_logits() against ReferenceHead, in float32, on a random head (whose logits depend on
+    every input: the token, h_t, the keys of the positions before): over a prompt (pairs
+    (x_t+1, h_t) at positions 0..L-2, filling the head's cache), then continued on that cache one
+    position at a time and then two at once. h_t: hidden_pass()'s, itself checked against
+    mlx-lm's model (after its final norm). A query at the wrong position (it seeing a key after
+    its own), an empty or shifted head cache, h_t before the final norm, [h; e] for [e; h] or a
+    missing norm each move the logits by order 1 (their scale is ~4). Tolerance 1e-5 of the
+    largest logit: float32 through the same operations in another order (measured 2e-7 to 5e-7;
+    hidden states 1e-7 to 3e-7)."""
+    folder = qwen35(mtp="random", tied=tied)
+    li.load(folder)
+    ids, more = li.tokenize(TEXTS[3]), li.tokenize(" Paris. The capital of Japan")
+    assert len(more) >= 3
+    ref = ReferenceHead(folder)
+    h_ref = ref.hidden(ids + more)                                    # (L + M, D)
+    cache, mtp_cache = [None] * li.N_LAYERS, [None] * (li.N_LAYERS + 1)
+    hidden = li.hidden_pass(ids, cache, 0)
+    err = {"hidden": rel_err(hidden, h_ref[:len(ids)])}
+    ours = li.mtp_logits(mx.array(ids[1:]), hidden[:-1], mtp_cache, 0)
+    err["prompt"] = rel_err(ours, ref.logits(ids[1:], h_ref[:len(ids) - 1]))
+    hidden = mx.concatenate([hidden, li.hidden_pass(more, cache, len(ids))])
+    err["hidden, continued"] = rel_err(hidden, h_ref)
+    history, t = ids + more, len(ids) - 1                             # the next pair's position
+    for n in (1, 1, 2):
+        ours = li.mtp_logits(mx.array(history[t + 1:t + 1 + n]), hidden[t:t + n], mtp_cache, t)
+        err[f"position {t}"] = rel_err(ours, ref.logits(history[t + 1:t + 1 + n], h_ref[t:t + n]))
+        t += n
+    print(", ".join(f"{k} {v:.1e}" for k, v in err.items()))
+    assert max(err.values()) < HEAD_TOL, err
