@@ -259,3 +259,48 @@ def test_the_heads_logits_equal_mlx_lms_layers(qwen35, tied):
         t += n
     print(", ".join(f"{k} {v:.1e}" for k, v in err.items()))
     assert max(err.values()) < HEAD_TOL, err
+
+
+def recording_head(monkeypatch):
+    """li.mtp_logits wrapped: each call's ids, h_t rows, first position and logits, in order."""
+    calls, mtp_logits = [], li.mtp_logits
+
+    def recorded(tokens, hidden, mtp_cache, start, first=0):
+        logits = mtp_logits(tokens, hidden, mtp_cache, start, first)
+        calls.append((np.array(tokens).tolist(), hidden, start, logits))
+        return logits
+
+    monkeypatch.setattr(li, "mtp_logits", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("text", [TEXTS[2], TEXTS[3]], ids=["short", "long"])
+def test_every_draft_comes_from_the_whole_history(qwen35, monkeypatch, text):
+    """generate_draft() with a random head whose logits depend on h_t and on the keys of every
+    earlier position: each call of mtp_logits() it makes, over the prompt and at every decoded
+    position, against ReferenceHead run once over the whole history (prompt and ids yielded,
+    pairs (x_t+1, h_t) at positions t = 0, 1, ...; h_t from mlx-lm's model, after its final
+    norm). Its ids are the model's x_t+1 at start.., its rows are h_t (after the final norm, also
+    those of the passes that checked drafts), its logits the reference's rows (tolerance: as
+    test_the_heads_logits_equal_mlx_lms_layers), and the calls fill the head's cache at each
+    position once, in order from 0 (the prompt's pairs before the first draft). A head cache
+    left empty over the prompt, a position off by one, or h_t read before the final norm (in
+    hidden_pass() or after a pass that checked drafts) fails here."""
+    li.load(qwen35(mtp="random"))
+    ids = li.tokenize(text)
+    calls = recording_head(monkeypatch)
+    ours = list(li.generate_draft(ids, max_tokens=16, draft="mtp"))
+    assert ours == list(li.generate(ids, max_tokens=16))
+    history = ids + ours
+    ref = ReferenceHead(qwen35(mtp="random"))
+    h_ref = ref.hidden(history)
+    ref_logits = ref.logits(history[1:], h_ref[:-1])                  # (L + n - 1, vocab)
+    end = 0  # the head's cache is filled at each position once, in order, from position 0
+    for tokens, hidden, start, logits in calls:
+        where = slice(start, start + len(tokens))
+        assert tokens == history[where.start + 1:where.stop + 1], start
+        err = rel_err(hidden, h_ref[where]), rel_err(logits, ref_logits[where])
+        assert max(err) < HEAD_TOL, (start, err)
+        assert start == end, (start, end)
+        end = where.stop
+    assert end >= len(history) - 2  # every pair up to the last id's (no draft after it)
