@@ -304,3 +304,27 @@ def test_every_draft_comes_from_the_whole_history(qwen35, monkeypatch, text):
         assert start == end, (start, end)
         end = where.stop
     assert end >= len(history) - 2  # every pair up to the last id's (no draft after it)
+
+
+def test_an_eos_the_head_drafts_and_the_model_chooses_ends_the_ids(qwen35, monkeypatch):
+    """A head whose every draft stands (agreeing, layers_scale 0, untied: no id drafts itself), so
+    with k = 1 the ids alternate: the model's own from the pass before, then a draft it accepted
+    (ids 1, 3, 5, ... are drafts). Each id that first appears at its place made an EOS id in turn,
+    half of them at a draft's place, where the head drafts the EOS and the model chooses it too:
+    the ids stop before it, as generate()'s do, nothing after it, and the cache holds exactly
+    the ids yielded. (test_eos_inside_an_accepted_draft's head drafts only repeats, which never
+    first appear, so no EOS id of its sits at an accepted draft's place.)"""
+    li.load(qwen35(mtp="agree", layers_scale=0.0, tied=False))
+    ids = li.tokenize(TEXTS[2])
+    free, eos, after = list(li.generate(ids, max_tokens=16)), li.EOS_IDS, li.tokenize(" more")
+    ours, counts = drafted(ids, 16, draft="mtp")
+    assert ours == free and counts["accepted"] == counts["drafted"] == 8  # ids 1, 3, .., 15
+    new = [j for j in range(1, 16) if free[j] not in free[:j]]
+    assert sum(j % 2 for j in new) >= 4, new  # EOS ids the head drafts and the model accepts
+    for j in new:
+        monkeypatch.setattr(li, "EOS_IDS", eos | {free[j]})
+        cache = [None] * li.N_LAYERS
+        assert list(li.generate(ids, max_tokens=16)) == free[:j]
+        assert list(li.generate_draft(ids, max_tokens=16, draft="mtp", cache=cache)) == free[:j], j
+        continued = list(li.generate(after, max_tokens=3, cache=cache, start=len(ids) + j))
+        assert continued == list(li.generate(ids + free[:j] + after, max_tokens=3)), j
