@@ -216,3 +216,109 @@ def test_quantised_weights_take_fewer_bytes(quantized, checkpoint):
     packed = sum(w.nbytes for w in li.W.values())
     # 4 bits and a bfloat16 scale and bias per 64 numbers: 4.5 bits against 16 (the norms stay)
     assert packed < dense * 0.35 and math.isclose(packed / dense, 4.5 / 16, rel_tol=0.15)
+
+
+# ═══ dequantize() as the Apple GPU kernels compute it since MLX 0.32.1 (issue item 6) ═══
+def unpack(packed, bits):
+    """Packed uint32 rows -> their bits-bit integers (numpy int64): each row a little-endian
+    stream of bits, read here bit by bit with numpy, apart from dequantize()'s byte pairs."""
+    stream = np.unpackbits(np.array(packed).view(np.uint8), axis=-1, bitorder="little")
+    stream = stream.reshape(*packed.shape[:-1], -1, bits).astype(np.int64)  # (..., n, bits)
+    return (stream << np.arange(bits)).sum(-1)                        # (..., n)
+
+
+def pack(q, bits):
+    """The inverse, for hand-made tensors: integers (..., n) -> uint32 rows."""
+    stream = ((q[..., None] >> np.arange(bits)) & 1).astype(np.uint8)
+    stream = np.packbits(stream.reshape(*q.shape[:-1], -1), axis=-1, bitorder="little")
+    return mx.array(stream.view(np.uint32))
+
+
+def float32_then_cast(q, scales, biases):
+    """scale * q + bias in float32, then cast to the scales' dtype. For bfloat16 and float16
+    scales the float32 arithmetic is exact or all but (their 8 or 11 significant bits times an
+    integer under 2^8 fit float32's 24; the bias's add rounds at most once, by 2^-24): the cast is
+    the one rounding. For float32 scales it is dequantize()'s own arithmetic, rounding included."""
+    q = mx.array(q.astype(np.float32)).reshape(*scales.shape, -1)     # (..., groups, group)
+    w = scales.astype(mx.float32)[..., None] * q + biases.astype(mx.float32)[..., None]
+    return w.reshape(*w.shape[:-2], -1).astype(scales.dtype)
+
+
+def hand_made(bits, dtype, rows=6, n=256, group=64, seed=3):
+    """Integers of every value 0..2^bits - 1, scales of both signs, biases that often cancel
+    scale * q (values near 0), packed by hand."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 2 ** bits, (rows, n))
+    scales = rng.normal(0, 0.01, (rows, n // group)) * rng.choice([-1, 1], (rows, n // group))
+    biases = -scales * rng.integers(0, 2 ** bits, scales.shape) + rng.normal(0, 1e-3, scales.shape)
+    as_mx = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
+    return pack(q, bits), as_mx(scales), as_mx(biases), q
+
+
+def quantised(bits, dtype, group=64):
+    rng = np.random.default_rng(4)
+    w = mx.array(rng.normal(0, 0.05, (32, 256)).astype(np.float32)).astype(dtype)
+    packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    return packed, scales, biases, unpack(packed, bits)
+
+
+UNIT_ROUNDOFF = {mx.bfloat16: 2.0 ** -8, mx.float16: 2.0 ** -11, mx.float32: 2.0 ** -24}
+
+
+def dequantized(source, bits, dtype):
+    """(source's tensors, ours, the formula's, mx.dequantize's in float32, the bound on the gap
+    from mx.dequantize, as in test_dequantize_is_within_a_rounding_of_mx_dequantize)."""
+    packed, scales, biases, q = (hand_made if source == "hand-made" else quantised)(bits, dtype)
+    group = q.shape[-1] // scales.shape[-1]
+    ones = mx.ones(scales.shape, mx.float32)  # scale 1, bias 0: MLX's own reading of the integers
+    assert np.array_equal(np.array(mx.dequantize(packed, ones, 0 * ones, group_size=group,
+                                                 bits=bits)), q)
+    ours = li.dequantize(packed, scales, biases, bits)
+    exact = float32_then_cast(q, scales, biases)
+    assert ours.dtype == dtype and ours.shape == q.shape
+    theirs = mx.dequantize(packed, scales, biases, group_size=group, bits=bits).astype(mx.float32)
+    u = UNIT_ROUNDOFF[dtype]
+    sq = mx.abs(scales.astype(mx.float32)[..., None] *
+                mx.array(q.astype(np.float32)).reshape(*scales.shape, -1)).reshape(q.shape)
+    bound = 2 * u * mx.abs(exact.astype(mx.float32)) + u * (1 + u) * sq
+    return ours, exact, theirs, bound
+
+
+DEQUANTIZED = [pytest.param(source, bits, dtype, id=f"{source}-{bits}bit-{name}")
+               for source in ("hand-made", "mx.quantize") for bits in (3, 4, 8)
+               for name, dtype in (("bfloat16", mx.bfloat16), ("float16", mx.float16),
+                                   ("float32", mx.float32))]
+
+
+@pytest.mark.parametrize("source, bits, dtype", DEQUANTIZED)
+def test_dequantize_is_within_a_rounding_of_mx_dequantize(source, bits, dtype):
+    """dequantize() and the float32-then-cast formula (test_dequantize_computes_in_float32_then_
+    casts), against mx.dequantize on whatever device runs this (a hand-made packing whose biases
+    cancel scale * q, and mx.quantize's of a matrix; the integers unpacked here with numpy, and
+    checked against MLX's own reading). The Apple GPU's kernel is the formula (equal); a CPU's
+    computes in the scales' dtype, r = fl(fl(s q) + b). With u the dtype's unit roundoff
+    (bfloat16 2^-8, float16 2^-11) and w = s q + b exact: |fl(s q) - s q| <= u |s q|,
+    |r - fl(s q) - b| <= u |w| + u^2 |s q|, and fl(w) is within u |w| of w, so
+    |fl(w) - r| <= 2u |w| + u (1 + u) |s q|: one rounding step of the value (2u: the dtype's
+    spacing, relative) plus the rounding of s q before the bias, which the add does not shrink
+    where b cancels s q (values near 0: their relative error unbounded, the absolute one
+    u |s q|). Measured on a CPU: the formula reaches 0.71 to 0.96 of this bound; today's
+    dequantize() (scales-dtype arithmetic, as the CPU's) is equal to mx.dequantize there."""
+    ours, exact, theirs, bound = dequantized(source, bits, dtype)
+    gap = {name: mx.abs(w.astype(mx.float32) - theirs) for name, w in
+           (("ours", ours), ("the formula", exact))}
+    print(", ".join(f"{name} at most {(g / (bound + 1e-30)).max().item():.2f} of the bound"
+                    for name, g in gap.items()))
+    assert mx.all(gap["the formula"] <= bound).item()
+    assert mx.all(gap["ours"] <= bound).item()
+
+
+@pytest.mark.parametrize("source, bits, dtype", DEQUANTIZED)
+def test_dequantize_computes_in_float32_then_casts(source, bits, dtype):
+    """dequantize() as the Apple GPU kernels compute since MLX 0.32.1: scale * q + bias in
+    float32, then one cast to the scales' dtype, bit for bit against that formula on the integers
+    unpacked here with numpy. FAILS WITH TODAY'S dequantize() for bfloat16 and float16 (it
+    computes in the scales' dtype: scale * q rounded, then + bias rounded again; measured: 20 to
+    65% of the values differ, by one step or, near 0, more); float32 passes either way."""
+    ours, exact, _, _ = dequantized(source, bits, dtype)
+    assert mx.array_equal(ours, exact).item(), f"{(ours != exact).sum().item()} of {ours.size}"
