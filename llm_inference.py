@@ -524,12 +524,15 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
         drafts = drafts[:end - pos - 1]                               # never past the end
         ids = mx.concatenate([mx.array([token], mx.uint32), drafts])  # (1 + K,)
         logits, choices, hidden, kept = verify_pass(ids, cache, pos, sampler)
+        finite = mx.isfinite(logits).all(axis=-1).tolist()            # (1 + K,) each row's check
         drafts, choices = drafts.tolist(), choices.tolist()
         n = accept(drafts, choices)
         counts["drafted"] += len(drafts)
         counts["accepted"] += n
         history += [token] + drafts[:n]
-        for d in drafts[:n]:  # each the model's own choice: emitted as generate() would
+        for j, d in enumerate(drafts[:n]):  # each the model's own choice, as generate() yields it
+            if not finite[j]:
+                raise not_finite(f"at position {pos + 1 + j}", logits.dtype)
             yield d
         for i, notes in kept.items():  # each DeltaNet back to its notes after the last id kept
             cache[i] = notes[n]         # (a KV cache's positions after it are written over)

@@ -358,14 +358,8 @@ def yielded_then_raised(ids):
     return out
 
 
-UNCHECKED = pytest.mark.xfail(strict=True, reason=(
-    "generate_draft() checks only the row it takes the next id from: the first row of a pass "
-    "that checked a draft, when the draft stands, is never checked, and its id (7, chosen by NaN) "
-    "is yielded"))
-
-
 @pytest.mark.parametrize("head, i", [("random", 0), ("random", 2), ("random", 5), ("agreeing", 0),
-                                     ("agreeing", 2), pytest.param("agreeing", 5, marks=UNCHECKED)])
+                                     ("agreeing", 2), ("agreeing", 5)])
 def test_one_nan_logit_raises_as_generate_does(qwen35, monkeypatch, head, i):
     """One NaN among the logits that choose the i-th id (a single logit of one row: the others
     finite, so a check that asks whether any logit is finite passes it): generate_draft() yields
@@ -374,8 +368,8 @@ def test_one_nan_logit_raises_as_generate_does(qwen35, monkeypatch, head, i):
     the agreeing head's all stand (ids 1, 3, 5, ... are accepted drafts), so an even i's logits
     are the last row of a pass that checked a draft (i = 0: the prompt's), and i = 5's are the
     first row of a pass that checked the draft for id 5 -- with the head seeing the same NaN and
-    drafting id 7, which the model's NaN row chooses too. That last case fails today (UNCHECKED,
-    xfail strict: it turns into a failure, to remove the mark, once the rows are checked)."""
+    drafting id 7, which the model's NaN row chooses too: each row of a pass is checked before
+    the id it chose is yielded."""
     li.load(qwen35(mtp="random") if head == "random" else
             qwen35(mtp="agree", layers_scale=0.0, tied=False))
     ids = li.tokenize(TEXTS[2])
