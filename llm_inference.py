@@ -578,42 +578,62 @@ def take_slot(cache, b, own):
         cache[i] = tuple(arrays)
 
 def attend_rows(cache, layer_idx, q, k, v, positions, visible):
-    """q (B, H, hd), k, v (B, KV, hd): one token of each row, written at positions[b] of slot b of
-    the layer's cache -> (B, H * hd): Step 5's cache_write() and attend(), each row on its own."""
-    keys, values = cache[layer_idx] or (mx.zeros((*k.shape[:2], 0, k.shape[2]), k.dtype),) * 2
-    end, room = visible.shape[1], -(-visible.shape[1] // GROW) * GROW  # S; GROW at a time
+    """q (B * L, H, hd), k, v (B * L, KV, hd): L tokens of each of B rows at positions (B * L,),
+    written into slot b of the layer's cache -> (B * L, H * hd): Step 5's cache_write() and
+    attend(), each row on its own keys. visible (B, L, S): what each row's tokens see."""
+    B, L, S = visible.shape
+    q, k, v = (t.reshape(B, L, *t.shape[1:]) for t in (q, k, v))     # (B, L, heads, hd)
+    keys, values = cache[layer_idx] or (mx.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype),) * 2
+    room = -(-S // GROW) * GROW                                       # GROW positions at a time
     keys, values = padded(keys, 2, room), padded(values, 2, room)     # (B, 8, room, 128)
-    at = positions[:, None, None, None]                               # (B, 1, 1, 1)
-    keys = mx.put_along_axis(keys, at, k[:, :, None], axis=2)         # row b at positions[b]
-    values = mx.put_along_axis(values, at, v[:, :, None], axis=2)
+    at = positions.reshape(B, 1, L, 1)                                # row b's L positions
+    keys = mx.put_along_axis(keys, at, k.swapaxes(1, 2), axis=2)      # (B, 8, room, 128)
+    values = mx.put_along_axis(values, at, v.swapaxes(1, 2), axis=2)
     cache[layer_idx] = (keys, values)
-    seen = visible[:, None, None, None]                               # (B, 1, 1, 1, S) its own keys
-    return attend(q[:, None], keys[:, :, :end], values[:, :, :end], seen)[:, 0]  # (B, H * hd)
+    out = attend(q, keys[:, :, :S], values[:, :, :S], visible[:, None, None])  # (B, L, H * hd)
+    return out.reshape(B * L, -1)
 
 def attention_rows(x, layer_idx, cache, positions, rope, visible):
-    """Step 5 on B rows, one token of each sequence, row b at positions[b] -> (B, D)."""
+    """Step 5 on B rows of L tokens each, flattened: x (B * L, D) at positions (B * L,)."""
     p = f"model.layers.{layer_idx}.self_attn."
-    q, k, v = queries_keys_values(x, p, rope)                         # (B, 16, 128), (B, 8, 128)
+    q, k, v = queries_keys_values(x, p, rope)                         # (B * L, 16, 128), ...
     return linear(attend_rows(cache, layer_idx, q, k, v, positions, visible), p + "o_proj")
 
 def qwen35_attention_rows(x, layer_idx, cache, positions, rope, visible):  # the same for Qwen3.5
-    if deltanet(layer_idx):
-        return gated_delta_net(x[:, None], layer_idx, cache)[:, 0]    # (B, 1, D): a token each
-    q, k, v, gate = gated_queries(x, layer_idx, positions)            # (B, 8, 256), (B, 2, 256)
-    out = attend_rows(cache, layer_idx, q, k, v, positions, visible)  # (B, 2048)
+    B, L, _ = visible.shape
+    if deltanet(layer_idx):                                           # each row its own notes
+        return gated_delta_net(x.reshape(B, L, -1), layer_idx, cache).reshape(B * L, -1)
+    q, k, v, gate = gated_queries(x, layer_idx, positions)            # (B * L, 8, 256), ...
+    out = attend_rows(cache, layer_idx, q, k, v, positions, visible)  # (B * L, 2048)
     return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
 
-def forward_batch(token_ids, cache, positions):
-    """B tokens, token_ids[b] at position positions[b] of the sequence in slot b -> logits
-    (B, vocab): Steps 2-8 on B rows at once."""
-    x = embed(token_ids)                                              # (B, 1024)
-    at = mx.array(positions)                                          # (B,)
-    rope = rope_tables(at, x.dtype)                                   # (B, 1, 2, 64) its own
-    visible = mx.arange(max(positions) + 1)[None, :] <= at[:, None]   # (B, S) its own keys
+def forward_rows(token_ids, cache, positions):
+    """token_ids (B, L): L ids of each of B sequences, row b's at positions[b].. of slot b ->
+    logits (B, L, vocab): Steps 2-8 on all rows at once (flattened to B * L rows of x)."""
+    B, L = token_ids.shape
+    x = embed(token_ids.reshape(-1))                                  # (B * L, 1024)
+    at = (mx.array(positions)[:, None] + mx.arange(L)).reshape(-1)    # (B * L,) each its own
+    rope = rope_tables(at, x.dtype)                                   # (B * L, 1, 2, 64)
+    visible = mx.arange(max(positions) + L) <= at.reshape(B, L, 1)    # (B, L, S) its own keys
     mixer = qwen35_attention_rows if MODEL == "qwen3_5" else attention_rows
     for i in range(N_LAYERS):
-        x = transformer_block(x, i, cache, at, rope, visible, mixer)  # (B, 1024)
-    return lm_head(x)                                                 # (B, 151936)
+        x = transformer_block(x, i, cache, at, rope, visible, mixer)  # (B * L, 1024)
+    return lm_head(x).reshape(B, L, -1)                               # (B, L, 151936)
+
+def forward_batch(token_ids, cache, positions):  # one id of each row (B,) -> logits (B, vocab)
+    return forward_rows(token_ids[:, None], cache, positions)[:, -1]
+
+def prefill_rows(prompts):
+    """Prompts of one length, Step 9's prefill() side by side: all but each last id, CHUNK at a
+    time -> a cache of one slot each (Qwen3's may differ in length: the shorter padded at the end,
+    their keys there written over before any query sees them; a DeltaNet's notes cannot be)."""
+    width = max(len(ids) for ids in prompts) - 1
+    heads = mx.array([ids[:-1] + [0] * (width + 1 - len(ids)) for ids in prompts])  # (G, width)
+    cache = [None] * N_LAYERS
+    for c in range(0, width, CHUNK):
+        forward_rows(heads[:, c:c + CHUNK], cache, [c] * len(prompts))
+        mx.eval(cache)
+    return cache
 
 def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=None):
     """Yield (i, id) for the tokens of prompts[i] (lists of ids), each as generate() gives it alone.
@@ -623,17 +643,20 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
     waiting, slots = [Row(i, ids, max_tokens) for i, ids in enumerate(prompts)], []
     cache = [None] * N_LAYERS  # one per layer for all slots; slots[b]: the Row in slot b
     while waiting or slots:
+        joining = []
         while waiting and (None in slots or len(slots) < batch_size):  # a free slot: a prompt
-            row = waiting.pop(0)
-            own, head = [None] * N_LAYERS, row.ids[:-1]
-            for c in range(0, len(head), CHUNK):  # Step 9's prefill(), all but the last id
-                forward(head[c:c + CHUNK], own, c)
-                mx.eval(own)
-            b = slots.index(None) if None in slots else len(slots)
-            take_slot(cache, b, own)
-            # Its last id rides in the next batch pass at its own position: that row's logits are
-            # its prompt's, and the weights are read once for all rows, not once more for it.
+            row, b = waiting.pop(0), slots.index(None) if None in slots else len(slots)
             slots[b:b + 1], row.status = [row], "prefilling"
+            joining.append(b)
+        groups = {}  # prefilled side by side: Qwen3's joining prompts all, Qwen3.5's by length
+        for b in joining:
+            groups.setdefault(len(slots[b].ids) if MODEL == "qwen3_5" else 0, []).append(b)
+        for group in groups.values():
+            own = prefill_rows([slots[b].ids for b in group])         # a slot each
+            for g, b in enumerate(group):
+                take_slot(cache, b, [None if e is None else tuple(a[g] for a in e) for e in own])
+        # A joining row's last id rides in the next batch pass at its own position: that row's
+        # logits are its prompt's, and the weights are read once for all rows, not once more.
         if None in slots:  # no prompt left to take them: the free slots go, the batch shrinks
             kept = mx.array([b for b, row in enumerate(slots) if row is not None], mx.int32)
             slots = [row for row in slots if row is not None]

@@ -78,6 +78,19 @@ def test_qwen35_rows_keep_their_own_notes(qwen35):
     assert batched(prompts, 10, 3) == alone(prompts, 10)
 
 
+@pytest.mark.parametrize("model", ["qwen3", "qwen35"])
+def test_prompts_joining_together(checkpoint, qwen35, model):
+    """Prompts that join at once are prefilled side by side: Qwen3's all of them (the shorter
+    padded at the end), Qwen3.5's those of one length (a DeltaNet cannot skip padding): here
+    three prompts of one length among others, rows leaving and joining, each its own tokens."""
+    li.load(checkpoint() if model == "qwen3" else qwen35())
+    prompts = [li.tokenize(t) for t in TEXTS[:5]]
+    prompts = [prompts[0], prompts[2], prompts[0][:-1] + prompts[1][:1], prompts[0], prompts[3]]
+    assert len(prompts[0]) == len(prompts[2]) == len(prompts[3])
+    for batch_size in (5, 3):
+        assert batched(prompts, 8, batch_size) == alone(prompts, 8)
+
+
 def test_quantised_rows(quantized):  # noqa: F811
     li.load(quantized("4bit-g64-untied"), mx.float32)
     prompts = [li.tokenize(t) for t in TEXTS[:4]]
