@@ -311,18 +311,15 @@ def deltanet(layer_idx):  # one of Qwen3.5's Gated DeltaNet layers? (layer N: th
 def qwen35_attention(x, layer_idx, cache, start, rope, visible):  # forward()'s, for Qwen3.5
     if deltanet(layer_idx):                                           # 18 of 24
         return gated_delta_net(x, layer_idx, cache)
-    return gated_attention(x, layer_idx, cache, start, rope, visible)  # every 4th, the MTP head's
-
-def gated_attention(x, layer_idx, cache, start, rope, visible):
-    """Step 5's attention, three things changed: q_proj also gives each head a gate, RoPE turns
-    the first quarter of each head (its own tables, not rope's), the output is gated."""
     q, k, v, gate = gated_queries(x, layer_idx, mx.arange(start, start + x.shape[0]))
     keys, values = cache_write(cache, layer_idx, k, v, start)         # (2, S, 256) each
-    out = attend(q, keys, values, visible)                            # (L, 2048)
+    out = attend(q, keys, values, visible)                            # (L, 2048) every 4th
     return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
 
 def gated_queries(x, layer_idx, positions):
-    """x: (L, D) at positions (L,) -> q (L, 8, 256), k and v (L, 2, 256), the gate (L, 2048)."""
+    """Step 5's projections, three things changed: q_proj also gives each head a gate (applied
+    to its output), RoPE turns only the first quarter of each head (its own tables, not rope's).
+    x: (L, D) at positions (L,) -> q (L, 8, 256), k and v (L, 2, 256), the gate (L, 2048)."""
     p, L = f"model.layers.{layer_idx}.self_attn.", x.shape[0]
     r = int(D_HEAD * QWEN35["partial_rotary_factor"])                 # 64 of 256 dimensions
     q = linear(x, p + "q_proj").reshape(L, N_HEADS, 2 * D_HEAD)       # (L, 8, 512) q, then gate
@@ -340,21 +337,19 @@ def l2_norm(x, eps=1e-6):  # x (..., n) -> x / |x| along the last axis, length 1
     x32 = x.astype(mx.float32)
     return x32 * mx.rsqrt(mx.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
-def softplus(a):  # log(1 + e^a): a smooth max(a, 0), always more than 0
-    return mx.logaddexp(a, 0)
-
 def gated_delta_net(x, layer_idx, cache):
     """x: (L, D) -> (L, D): the article's "compressed notes". In place of keys and values that grow
     with every token, each value head keeps one fixed-size matrix, its state S (dk, dv), that
     stores values under keys. Each token: forget a little (S *= decay), recall what S holds for
     its key (k S), move that towards its value (S += k^T beta (v - k S)), read with its query
-    (q S). The batch's x is (B, 1, D): one token of each of B sequences, each its own notes."""
-    p, lead = f"model.layers.{layer_idx}.linear_attn.", x.shape[:-1]  # (L,), or (B, 1)
+    (q S). A batch's x is (B, L, D): each of B sequences its own notes."""
+    p, lead = f"model.layers.{layer_idx}.linear_attn.", x.shape[:-1]  # (L,), or (B, L)
     hv, dv = QWEN35["linear_num_value_heads"], QWEN35["linear_value_head_dim"]       # 16, 128
     qkv = linear(x, p + "in_proj_qkv")                                # (L, 6144) q, k, v
     z = linear(x, p + "in_proj_z").reshape(*lead, hv, dv)             # (L, 16, 128) output gate
     beta = mx.sigmoid(linear(x, p + "in_proj_b"))                     # (L, 16) write strength 0..1
-    step = softplus(linear(x, p + "in_proj_a") + W[p + "dt_bias"])    # (L, 16) more than 0
+    a = linear(x, p + "in_proj_a") + W[p + "dt_bias"]                 # (L, 16)
+    step = mx.logaddexp(a, 0)                                         # softplus: log(1 + e^a) > 0
     # decay: how much of S each token keeps, in 0..1 per head; a larger step forgets more, at a
     # rate A = exp(A_log) that each head learned.
     decay = mx.exp(-mx.exp(W[p + "A_log"]) * step)                    # (L, 16)
@@ -365,10 +360,9 @@ def gated_delta_net(x, layer_idx, cache):
     return linear(y.astype(x.dtype).reshape(*lead, -1), p + "out_proj")  # (L, 1024)
 
 def delta_memory(cache, layer_idx, qkv, beta, decay):
-    """A sequence's L tokens (or B sequences' one: (B, 1, ...) in front) through the short
-    convolution and the delta rule, from and into cache[layer_idx] = (conv_state, state), None
-    for none yet -> what each token reads, (L, 16, 128) float32. A third entry, a list, is given
-    the notes after each token (drafting's rollback, below)."""
+    """A sequence's L tokens (a batch's: (B, ...) in front) through the short convolution and the
+    delta rule, from and into cache[layer_idx] = (conv_state, state) (None: none yet; a third
+    entry, a list, is given the notes after each token) -> what each reads, (L, 16, 128) f32."""
     p, L, lead = f"model.layers.{layer_idx}.linear_attn.", qkv.shape[-2], qkv.shape[:-2]
     hk, hv = QWEN35["linear_num_key_heads"], QWEN35["linear_num_value_heads"]        # 16, 16
     dk, dv = QWEN35["linear_key_head_dim"], QWEN35["linear_value_head_dim"]          # 128, 128
@@ -428,7 +422,7 @@ def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
     positions = mx.arange(start, start + x.shape[0])                  # h_t's: the draft's is t
     keys = mx.arange(start + x.shape[0])[None, :]                    # (1, S)
     visible = (keys <= positions[:, None]) & (keys >= first)          # (L, S)
-    x = transformer_block(x, N_LAYERS, mtp_cache, start, None, visible, gated_attention)
+    x = transformer_block(x, N_LAYERS, mtp_cache, start, None, visible, qwen35_attention)
     return linear(rms_norm(x, W["mtp.norm.weight"], EPS), "lm_head")  # (L, vocab)
 
 def lookup_draft(history, n_draft, longest=3):
