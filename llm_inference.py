@@ -554,21 +554,21 @@ def padded(a, axis, size):  # a, with zeros after it along axis up to size (if s
     more[axis] = size - a.shape[axis]
     return a if more[axis] <= 0 else mx.concatenate([a, mx.zeros(more, a.dtype)], axis=axis)
 
-def take_slot(cache, b, own):
-    """A sequence prefilled alone (own: Part I's cache, a tuple per layer) -> slot b of the
-    batch's (a new slot if b is one past the last). Every array of own goes into its slot: keys
-    and values (positions on axis 1 of own's, axis 2 of the batch's, which grows to hold them), a
-    DeltaNet's notes whole; a layer own has nothing in yet, its slot zeroed."""
+def take_slots(cache, slots, own):
+    """own: a cache of one row per slot in slots (prefill_rows()') -> those slots of the batch's
+    cache, new ones added at its end. Every array goes in whole: keys and values (positions on
+    axis 2, which grows to hold them), a DeltaNet's notes; a layer own has nothing in: zeros."""
+    at = mx.array(slots)                                              # (G,)
     for i, entry in enumerate(own):
-        if cache[i] is None and entry is not None:  # the layer's first notes: every slot's zero
-            cache[i] = tuple(mx.zeros((b + 1, *a.shape), a.dtype) for a in entry)
-        if cache[i] is None:  # nothing in this layer yet: made on its first write
+        if cache[i] is None and entry is None:  # nothing in this layer yet: made on first write
             continue
-        arrays = [padded(a, 0, b + 1) for a in cache[i]]              # (B, ...) a slot more
+        if cache[i] is None:
+            cache[i] = tuple(mx.zeros((0, *a.shape[1:]), a.dtype) for a in entry)
+        arrays = [padded(a, 0, max(slots) + 1) for a in cache[i]]      # (B, ...) slots added
         for j, a in enumerate(arrays):
-            part = mx.zeros_like(a[b]) if entry is None else entry[j]  # own's array, or zeros
-            arrays[j] = a = padded(a, 2, part.shape[1])
-            a[b, :, :part.shape[1]] = part
+            part = mx.zeros_like(a[at]) if entry is None else entry[j]  # (G, ...)
+            arrays[j] = a = padded(a, 2, part.shape[2])
+            a[at, :, :part.shape[2]] = part
         cache[i] = tuple(arrays)
 
 def attend_rows(cache, layer_idx, q, k, v, positions, visible):
@@ -646,9 +646,7 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
         for b in joining:
             groups.setdefault(len(slots[b].ids) if MODEL == "qwen3_5" else 0, []).append(b)
         for group in groups.values():
-            own = prefill_rows([slots[b].ids for b in group])         # a slot each
-            for g, b in enumerate(group):
-                take_slot(cache, b, [None if e is None else tuple(a[g] for a in e) for e in own])
+            take_slots(cache, group, prefill_rows([slots[b].ids for b in group]))
         # A joining row's last id rides in the next batch pass at its own position: that row's
         # logits are its prompt's, and the weights are read once for all rows, not once more.
         if None in slots:  # no prompt left to take them: the free slots go, the batch shrinks

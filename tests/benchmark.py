@@ -175,7 +175,7 @@ def batch_kernels(prompts, single=False):
     for b, ids in enumerate(prompts):
         own = [None] * li.N_LAYERS
         mx.eval(li.prefill(ids, own), own)
-        li.take_slot(cache, b, own)
+        li.take_slots(cache, [b], [None if e is None else tuple(a[None] for a in e) for e in own])
     mx.eval(cache)
     if single:
         step = lambda: li.forward([5], own, len(prompts[0]))[-1]  # noqa: E731

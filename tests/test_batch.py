@@ -118,7 +118,7 @@ def one_batched_step(prompts):
         own = [None] * li.N_LAYERS
         li.forward(ids[:-1], own, 0)
         mx.eval(own)
-        li.take_slot(cache, b, own)
+        li.take_slots(cache, [b], [None if e is None else tuple(a[None] for a in e) for e in own])
         singles.append(li.forward(ids[-1:], list(own), len(ids) - 1)[-1])
     rows = li.forward_batch(mx.array([ids[-1] for ids in prompts]), cache,
                             [len(ids) - 1 for ids in prompts])
@@ -163,20 +163,26 @@ def test_each_row_draws_its_own_sample(checkpoint):
 
 
 def test_memory_is_bounded_by_the_batch_size(checkpoint):
-    """Many more prompts than --batch-size: a finished sequence's slot is taken by the next
-    prompt and nothing of it is kept, so 48 prompts through 4 slots reach the same peak memory
-    as 4 prompts (same lengths), within 10% (allocator rounding); a kept cache per prompt would
-    be 12 times as much."""
+    """Many more prompts than --batch-size: a finished sequence's slot goes to the next prompt and
+    nothing of it is kept. The memory the batch holds, read at every token it yields, is the same
+    for 48 prompts through 4 slots as for 4 prompts (measured: equal to the byte, but for a few
+    hundred bytes of bookkeeping; a cache kept per finished prompt would grow 12-fold); the peak,
+    which a join's copies raise for a moment, is the same for 48 prompts as for 8 (measured:
+    within 2%), within 10% here."""
     li.load(checkpoint())
     prompts = [li.tokenize(t) for t in TEXTS[:4]]
-    peaks = []
-    for n in (1, 12):
+    held, peaks = [], []
+    for n in (1, 2, 12):
         mx.eval(li.W)
         mx.clear_cache()
         mx.reset_peak_memory()
-        batched(prompts * n, 12, 4)
-        peaks.append(mx.get_peak_memory() - mx.get_active_memory())
-    assert peaks[1] <= 1.1 * peaks[0], peaks
+        base, most = mx.get_active_memory(), 0
+        for _ in li.generate_batch(prompts * n, max_tokens=12, batch_size=4):
+            most = max(most, mx.get_active_memory() - base)
+        held.append(most)
+        peaks.append(mx.get_peak_memory() - base)
+    assert held[2] <= 1.01 * held[0] and held[1] <= 1.01 * held[0], held
+    assert peaks[2] <= 1.1 * peaks[1], peaks
 
 
 def test_command_line(checkpoint, tmp_path):
