@@ -283,8 +283,7 @@ def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, lo
 def dequantize(packed, scales, biases, bits):
     """MLX's affine quantisation undone: a row of packed (uint32) is a little-endian stream of
     bits-bit integers q, and each group of them shares a scale and a bias: w = scale * q + bias,
-    in float32, then the scales' dtype (as MLX's GPU kernels compute it; its CPU ones, in the
-    scales' dtype: one rounding apart at most)."""
+    in float32, then the scales' dtype, as MLX's GPU kernels (its CPU's: one rounding apart)."""
     n = packed.shape[-1] * 32 // bits                                 # values in a row
     stream = mx.pad(packed.view(mx.uint8), [(0, 0)] * (packed.ndim - 1) + [(0, 1)])  # bytes, a 0
     stream = stream.astype(mx.uint32)                                 # (..., n * bits / 8 + 1)
@@ -404,13 +403,11 @@ def delta_step(state, q, k, v, decay, beta):
     return state, (q[..., None, :] @ state)[..., 0, :]                # (H, dv) q S
 
 # ═══ Multi-token prediction — a quick guess at the next tokens, checked in one pass ═══
-# Decoding waits on memory: one pass over 2 tokens costs about what one over 1 does. So guess the
-# token after the next one cheaply (a draft: Qwen3.5's MTP head, or for any model the text so far,
-# prompt lookup) and let the model check it in one pass over [next, draft]: where its own choice
-# after `next` is the draft, both stand, and the second row gives one more token for free. Every
-# token emitted is the model's own choice (mlx-lm's rule), so greedy tokens are generate()'s (bit
-# for bit in float32; in bfloat16 a pass over 2 rows may round apart) and sampling keeps the
-# model's distribution: the article's "a little quality" is not lost here.
+# Decoding waits on memory: a pass over 2 tokens costs about what one over 1 does. So guess the
+# token after the next cheaply (a draft: Qwen3.5's MTP head, or the text so far) and let the model
+# check it in one pass over [next, draft]: if its own choice after `next` is the draft, both stand.
+# Every token emitted is the model's own choice (mlx-lm's rule): greedy, generate()'s (bit for bit
+# in float32); sampled, its distribution. The article's "a little quality" is not lost here.
 def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
     """Qwen3.5's MTP head: ids x_{t+1} (L,) and the model's last hidden states h_t (L, D), after
     its final norm, at positions start.. -> logits (L, vocab) for x_{t+2}. Its layer is one of
@@ -448,16 +445,6 @@ def hidden_pass(token_ids, cache, start, lens=None):
         lens.extend(x[-1:] for x in blocks)
     return mx.concatenate(chunks)                                     # (L, 1024)
 
-def mtp_prefill(prompt_ids, hidden, start):
-    """The MTP head's own KV cache over the prompt: it reads (x_t+1, h_t) for t = start.., the
-    last h_t waiting for the first draft, whose x_t+1 is not known yet -> that cache."""
-    mtp_cache = [None] * (N_LAYERS + 1)
-    for i in range(0, len(prompt_ids) - 1, CHUNK):
-        ids = mx.array(prompt_ids[i + 1:i + 1 + CHUNK])  # the prompt, shifted by one token
-        mtp_logits(ids, hidden[i:i + len(ids)], mtp_cache, start + i, start)
-        mx.eval(mtp_cache)
-    return mtp_cache
-
 def verify_pass(ids, cache, pos, sampler):
     """Step 2: the model over ids (the next id, then K drafts) at positions pos.., one pass -> its
     logits (1 + K, vocab) and own choice (1 + K,) after each id, its hidden states (1 + K, D)
@@ -491,7 +478,13 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
     counts.setdefault("accepted", 0)
     hidden = hidden_pass(prompt_ids, cache, start) if hidden is None else hidden  # (L, 1024)
     logits = linear(hidden[-1:], "lm_head")[-1]                       # (vocab,) the next id's
-    mtp_cache = mtp_prefill(prompt_ids, hidden, start) if draft == "mtp" else None
+    # The MTP head's own KV cache, over the prompt: it reads (x_t+1, h_t) for t = start.., the
+    # last h_t waiting for the first draft (its x_t+1 is not known yet).
+    mtp_cache = [None] * (N_LAYERS + 1)
+    for i in range(0, len(prompt_ids) - 1 if draft == "mtp" else 0, CHUNK):
+        ids = mx.array(prompt_ids[i + 1:i + 1 + CHUNK])  # the prompt, shifted by one token
+        mtp_logits(ids, hidden[i:i + len(ids)], mtp_cache, start + i, start)
+        mx.eval(mtp_cache)
     history, pos = list(prompt_ids), start + len(prompt_ids)
     end = min(pos + max_tokens, MAX_POS)
     # A worked example: the prompt fills positions 0..4; token, the model's id x5, is at pos 5,
@@ -528,18 +521,17 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
             if not finite[j]:
                 raise not_finite(f"at position {pos + 1 + j}", logits.dtype)
             yield d
-        for i, notes in kept.items():  # each DeltaNet back to its notes after the last id kept
-            cache[i] = notes[n]         # (a KV cache's positions after it are written over)
+        for i, notes in kept.items():  # a DeltaNet back to its notes after the last id kept
+            cache[i] = notes[n]         # a KV cache's later positions: written over, unread
         unread, at, pos = hidden[:n + 1], pos, pos + n + 1
         token, logits = choices[n], logits[n]
 
 # ═══ Batching — several sequences share every weight read; a finished one makes room ═══
-# Decoding one token reads every weight to multiply it by one row: the machine waits on memory.
-# B rows cost little more, for B tokens. Here B sequences decode together in one cache per layer,
-# the article's tuple with a slot axis in front: keys and values (B, 8, S, 128) (a DeltaNet's
-# notes, (B, 3, 6144) and (B, 16, 128, 128)). Each row writes its token at its own position and
-# sees its own keys up to there (its mask). A sequence that ends frees its slot for the next
-# prompt: a batch holds at most B sequences' memory, however many prompts wait.
+# Decoding one token reads every weight for one row: the machine waits on memory; B rows cost
+# little more. So B sequences decode together in one cache per layer, the article's tuple with a
+# slot axis in front: (B, 8, S, 128) (a DeltaNet's notes: (B, 3, 6144), (B, 16, 128, 128)). Each
+# row writes at its own position and sees its own keys (its mask). A sequence that ends frees its
+# slot for the next prompt: a batch holds B sequences' memory, however many prompts wait.
 
 class Row:
     """One prompt of a batch: "waiting"; "prefilling" (its cache filled alone, its last id in the
@@ -555,9 +547,8 @@ def padded(a, axis, size):  # a, with zeros after it along axis up to size (if s
     return a if more[axis] <= 0 else mx.concatenate([a, mx.zeros(more, a.dtype)], axis=axis)
 
 def take_slots(cache, slots, own):
-    """own: a cache of one row per slot in slots (prefill_rows()') -> those slots of the batch's
-    cache, new ones added at its end. Every array goes in whole: keys and values (positions on
-    axis 2, which grows to hold them), a DeltaNet's notes; a layer own has nothing in: zeros."""
+    """own: prefill_rows()' cache, a row per slot -> those slots of the batch's cache (new ones at
+    its end): every array whole (positions, axis 2, grow to hold it); own's empty layer: zeros."""
     at = mx.array(slots)                                              # (G,)
     for i, entry in enumerate(own):
         if cache[i] is None and entry is None:  # nothing in this layer yet: made on first write
@@ -572,9 +563,8 @@ def take_slots(cache, slots, own):
         cache[i] = tuple(arrays)
 
 def attend_rows(cache, layer_idx, q, k, v, positions, visible):
-    """q (B * L, H, hd), k, v (B * L, KV, hd): L tokens of each of B rows at positions (B * L,),
-    written into slot b of the layer's cache -> (B * L, H * hd): Step 5's cache_write() and
-    attend(), each row on its own keys. visible (B, L, S): what each row's tokens see."""
+    """q, k, v (B * L, heads, hd): L tokens of each of B rows at positions (B * L,), written into
+    slot b -> (B * L, H * hd): Step 5's cache_write() and attend(), visible (B, L, S) each row's."""
     B, L, S = visible.shape
     q, k, v = (t.reshape(B, L, *t.shape[1:]) for t in (q, k, v))     # (B, L, heads, hd)
     keys, values = cache[layer_idx] or (mx.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype),) * 2
@@ -618,9 +608,9 @@ def forward_batch(token_ids, cache, positions):  # one id of each row (B,) -> lo
     return forward_rows(token_ids[:, None], cache, positions)[:, -1]
 
 def prefill_rows(prompts):
-    """Prompts of one length, Step 9's prefill() side by side: all but each last id, CHUNK at a
-    time -> a cache of one slot each (Qwen3's may differ in length: the shorter padded at the end,
-    their keys there written over before any query sees them; a DeltaNet's notes cannot be)."""
+    """Step 9's prefill() side by side: all but each last id, CHUNK at a time -> a cache, a slot
+    each. Qwen3's shorter prompts padded at the end (keys written over before any query sees
+    them); Qwen3.5's of one length (a DeltaNet's notes cannot be written over)."""
     width = max(len(ids) for ids in prompts) - 1
     heads = mx.array([ids[:-1] + [0] * (width + 1 - len(ids)) for ids in prompts])  # (G, width)
     cache = [None] * N_LAYERS
