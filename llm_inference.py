@@ -590,7 +590,11 @@ def load_checked(model_dir, dtype=None):
     it runs (a broken one raises UserError). Fills the same names, through use(). -> the config"""
     cfg = read_configs(model_dir)  # config.json, generation_config.json: CONFIG's entries
     weights = read_weights(model_dir, cfg, dtype)  # each tensor the model uses, of its right shape
-    return use(cfg, weights, read_tokenizer(model_dir, cfg))  # every id a row of the embedding
+    tok = read_tokenizer(model_dir, cfg)  # every id a row of the embedding
+    if not (Path(model_dir) / "generation_config.json").exists():  # the article's four files:
+        ends = [tok.token_to_id(name) for name in ("<|im_end|>", "<|endoftext|>")]  # Qwen3's EOS
+        cfg["eos_ids"] |= set(ends) - {None}
+    return use(cfg, weights, tok)
 
 HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"  # the default folder: beside
 # the script (the article's is ./Qwen3-0.6B/ from wherever it is started), and where it comes from
@@ -855,67 +859,82 @@ def dtype_name(dtype):
     return str(dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
 
 
+# ─── Where the files come from: a folder, or the Hugging Face Hub ───
+
 def model_folder(model):
-    """--model -> the folder to load. A local folder as it is (load_checked() names what it lacks);
-    the default folder while it lacks a file, and a repo id not whole in the Hugging Face cache,
-    are downloaded first. A second run asks nothing of the Hub."""
+    """--model -> the folder to load: a folder as it is; the default folder while it lacks a file
+    load_checked() reads, and a plain owner/name repo id not whole in the Hugging Face cache, are
+    downloaded first (a second run asks the Hub nothing)."""
     path = Path(model).resolve()
     if path.is_file():
         raise UserError(f"{path} is a file, not a folder (a model is a folder)")
-    if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # a folder, not a repo id
-        if path != HERE / "Qwen3-0.6B" or all((path / name).exists() for name in FILES):
-            return path
-        return download(REPO, path, FILES)
+    if path == HERE / "Qwen3-0.6B" and not complete(path):  # the article's folder
+        return download(REPO, path)
+    if path.exists():
+        return path
+    if not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", model):  # ./x, ../x, a/b/c, x: paths
+        raise UserError(f"{path} does not exist (--model takes a folder, or a Hugging Face repo "
+                        f"id such as {REPO})")
     return cached_folder(model) or download(model, None)
 
+def complete(folder):  # does it hold what load_checked() reads? (generation_config.json: optional)
+    needed = [folder / "config.json", folder / "tokenizer.json", *weight_files(folder)]
+    return all(file.exists() for file in needed)
+
 def cached_folder(repo):
-    """A repo id's folder in the Hugging Face cache if it holds what load_checked() reads, however
-    it came there (this script, or the hand command); else None. Asks the Hub nothing."""
+    """A repo id's folder in the Hugging Face cache, if complete there; else None. Asks nothing."""
     from huggingface_hub import try_to_load_from_cache
     config = try_to_load_from_cache(repo, "config.json")  # its path, or a mark that it is not
-    if not isinstance(config, str):
-        return None
-    folder = Path(config).parent
-    needed = [folder / "tokenizer.json", *weight_files(folder)]
-    return folder if all(file.exists() for file in needed) else None
+    return Path(config).parent if isinstance(config, str) and complete(Path(config).parent) else None
 
-def download(repo, local_dir, names=None):
-    """Fetch what is missing of repo's files into local_dir (None: the Hugging Face cache): names,
-    else its configs, template and the weights its index names; one at a time, each shown by
-    Progress, then all verified against the Hub's checksums. -> the folder"""
-    from huggingface_hub import HfApi, logging
-    logging.set_verbosity_error()  # its warnings and retries: our lines say what happened
+def download(repo, local_dir):
+    """Fetch repo's configs, template, tokenizer and safetensors weights that local_dir (None: the
+    Hugging Face cache) lacks, one file at a time, each announced by a line before it comes; then
+    check them against the Hub's checksums. -> the folder"""
+    from huggingface_hub import HfApi, constants, hf_hub_download, logging
+    from huggingface_hub.utils import disable_progress_bars
+    logging.set_verbosity_warning()  # its retries show, a line each
     warnings.filterwarnings("ignore", module="huggingface_hub")  # "not enough free disk space"
+    if not sys.stderr.isatty():  # a log, not a terminal: no bars redrawn
+        disable_progress_bars()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: huggingface_hub tidies up
-    api, name, fetched = HfApi(), "the file list", {}
+    api, name, fetched, into = HfApi(), "the file list", {}, local_dir or constants.HF_HUB_CACHE
     try:
-        names = list(names or files_to_fetch(api, repo))
-        for name in names:
+        sizes = files_to_fetch(api, repo, local_dir)
+        for name, size in sizes.items():
             path = present(repo, name, local_dir)
             if path is None:
-                path = fetched[name] = fetch(repo, name, local_dir)
-            if name == "model.safetensors.index.json":  # a repo id's shards, as it names them
-                names += [file.name for file in weight_files(path.parent)]
+                print(f"{name}: {human(size)} from {constants.ENDPOINT}/{repo} into {into}",
+                      file=sys.stderr, flush=True)
+                path = fetched[name] = Path(hf_hub_download(repo, name, local_dir=local_dir))
         name = "the checksums"
-        if fetched:
-            verify(api, repo, local_dir, fetched)
+        verify(api, repo, local_dir, fetched)
     except KeyboardInterrupt:
-        got = human(PROGRESS[name].received) if name in PROGRESS else "none"
-        raise UserError(f"the download was interrupted during {name} ({got} of it fetched, "
-                        f"not kept); run the same command again: it fetches {name} again from the "
-                        "start and keeps the files already complete", 130) from None
+        raise UserError(f"the download was interrupted during {name} (not kept); run the same "
+                        f"command again: it fetches {name} again from the start and keeps the "
+                        "files already complete", 130) from None
     except Exception as e:  # the Hub's, the network's or the disk's, else a bug: its traceback
-        why = download_trouble(e, name, local_dir)
+        why = download_trouble(e, local_dir or constants.HF_HUB_CACHE)
         if why is None:
             raise
         raise UserError(f"could not download {name} of {repo}: {why}. To fetch it by hand, run "
-                        f"this, then the same command again: {hand_command(repo, local_dir, names)}"
+                        f"this, then the same command again: {hand_command(repo, local_dir)}"
                         ) from None
     finally:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-    for name, file in fetched.items():  # complete and verified
-        print(f"{name}: {human(file.stat().st_size)} downloaded", file=sys.stderr)
     return path.parent
+
+def files_to_fetch(api, repo, local_dir):
+    """The repo's top-level configs, template and safetensors weights (the default folder: FILES
+    of them) -> {name: size}. None of its weights in safetensors: a UserError."""
+    files = {f.path: f.size for f in api.list_repo_tree(repo) if hasattr(f, "size")}
+    if not any(name.endswith(".safetensors") for name in files):
+        shown = ", ".join(files) if len(files) < 8 else ", ".join(list(files)[:7]) + ", ..."
+        raise UserError(f"{repo} has no model.safetensors: this script runs safetensors "
+                        f"checkpoints (the repo holds {shown})")
+    wanted = r"[^/]+\.(json|jinja|safetensors)"
+    return {name: size for name, size in files.items() if re.fullmatch(wanted, name)
+            and (local_dir is None or name in FILES)}
 
 def present(repo, name, local_dir):  # a file there from an earlier run -> its path, else None
     from huggingface_hub import try_to_load_from_cache
@@ -924,67 +943,14 @@ def present(repo, name, local_dir):  # a file there from an earlier run -> its p
     path = try_to_load_from_cache(repo, name)  # its path, or a mark that it is not there
     return Path(path) if isinstance(path, str) else None
 
-def files_to_fetch(api, repo):
-    """A repo id's top-level configs and chat template, and its safetensors weights (the index,
-    whose shards are added once it is here, or the one file) -> their names."""
-    files = api.list_repo_files(repo)
-    names = [name for name in files if re.fullmatch(r"[^/]+\.(json|jinja)", name)]
-    if "model.safetensors.index.json" in names:
-        return names
-    if "model.safetensors" not in files:
-        shown = ", ".join(files) if len(files) < 8 else ", ".join(files[:7]) + ", ..."
-        raise UserError(f"{repo} has no model.safetensors: this script runs safetensors "
-                        f"checkpoints (the repo holds {shown})")
-    return names + ["model.safetensors"]
-
-PROGRESS = {}  # file name -> its Progress class, while this run fetches it
-
-def progress_of(name):
-    """The tqdm_class that shows one file (huggingface_hub makes one bar per try of the file)."""
-    return PROGRESS.setdefault(name, type("Progress", (Progress,), {"file": name, "received": 0}))
-
-TRIES = 3  # a file whose connection is reset mid-way is fetched this many times at most
-
-def fetch(repo, name, local_dir, tries=TRIES):
-    """One file, shown by its Progress; a connection reset mid-file is tried again from the
-    start (huggingface_hub resumes a closed or stalled one itself), up to tries times -> its path"""
-    from huggingface_hub import hf_hub_download
-    for attempt in range(1, tries + 1):
-        try:
-            return Path(hf_hub_download(repo, name, local_dir=local_dir,
-                                        tqdm_class=progress_of(name)))
-        except Exception as e:  # re-raised unless a reset with tries left
-            if attempt == tries or not any(isinstance(c, ConnectionResetError) for c in causes(e)):
-                raise
-            print(f"{name}: the connection was reset after {human(progress_of(name).received)} of "
-                  f"{human(progress_of(name).total)}; trying again ({attempt + 1} of {tries})",
-                  file=sys.stderr)
-
-class Progress(tqdm):
-    """huggingface_hub's tqdm_class for one file (progress_of() names it): at a terminal, one line
-    redrawn in place (bytes so far / total, speed, time left), cleared when the try ends;
-    download() says what became of the file. received: the bytes of its latest try."""
-    file, received, total = "", 0, 0
-
-    def __init__(self, *args, **kwargs):
-        kwargs.pop("name", None)  # some huggingface_hub versions name their logger to tqdm
-        columns, lines = shutil.get_terminal_size()  # (80, 24) where a terminal has no size
-        kwargs.update(desc=self.file, position=None, leave=False, file=sys.stderr, ncols=columns,
-                      nrows=lines, disable=not sys.stderr.isatty(),
-                      bar_format="{desc}: {n_fmt}B / {total_fmt}B, {rate_fmt}, {remaining} left")
-        super().__init__(*args, **kwargs)
-        type(self).received, type(self).total = kwargs.get("initial", 0), kwargs.get("total", 0)
-
-    def update(self, n=1):  # counted even where the line is not shown
-        type(self).received += n
-        return super().update(n)
-
-def human(size):  # bytes, as the display writes them: 31.4MB (huggingface_hub counts 10 MB
-    return tqdm.format_sizeof(size) + "B" if size else "0B"  # at a time: less reads as 0B)
+def human(size):  # bytes, as tqdm writes them: 31.4MB
+    return tqdm.format_sizeof(size) + "B"
 
 def verify(api, repo, local_dir, fetched):
     """The files fetched now against the Hub's checksums (HfApi.verify_repo_checksums: SHA-256 of
     a large file, git's SHA-1 of a small one). A mismatch: the file is removed, UserError."""
+    if not fetched:
+        return
     result = api.verify_repo_checksums(repo, local_dir=local_dir)
     for bad in [m for m in result.mismatches if m["path"] in fetched]:
         path = fetched[bad["path"]]
@@ -999,7 +965,7 @@ def causes(error):  # an exception and what it was raised from, or while handlin
         yield error
         error = error.__cause__ or error.__context__
 
-def download_trouble(error, name, local_dir):
+def download_trouble(error, into):
     """What stopped a download, in a few words: the Hub's answer, the network, the disk. None:
     none of these (a bug)."""
     from huggingface_hub import constants
@@ -1009,23 +975,22 @@ def download_trouble(error, name, local_dir):
             return f"the Hub answered {e.response.status_code} {e.response.reason_phrase}"
         if isinstance(e, OfflineModeIsEnabled):
             return "offline: HF_HUB_OFFLINE is set"
-        if isinstance(e, ConnectionResetError):
-            return (f"the connection was reset after {human(progress_of(name).received)}, "
-                    f"{TRIES} times")
+        if isinstance(e, ConnectionResetError) or type(e).__name__ == "RemoteProtocolError":
+            return "the connection broke before the file was whole"
         if isinstance(e, (ConnectionError, socket.gaierror)):  # refused, no route, no such host
-            return f"{constants.ENDPOINT} could not be reached"
+            return f"the Hub could not be reached at {constants.ENDPOINT}"
         if isinstance(e, TimeoutError):
             return "the Hub stopped answering (timed out)"
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return f"the disk is full where it goes ({local_dir or constants.HF_HUB_CACHE})"
+            return f"the disk is full where it goes ({into})"
         if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS,
                                                   errno.ENOTDIR, errno.EEXIST):
             return f"{e.filename} cannot be written: {e.strerror.lower()}"
     return None
 
-def hand_command(repo, local_dir, names):  # what download() does, as a shell command
+def hand_command(repo, local_dir):  # what download() does, as a shell command
     if local_dir is not None:
-        return f"hf download {repo} {' '.join(names)} --local-dir {shlex.quote(str(local_dir))}"
+        return f"hf download {repo} {' '.join(FILES)} --local-dir {shlex.quote(str(local_dir))}"
     return f'hf download {repo} --include "*.json" --include "*.jinja" --include "*.safetensors"'
 
 def stream_text(token_ids):
