@@ -885,7 +885,8 @@ def cached_folder(repo):
     """A repo id's folder in the Hugging Face cache, if complete there; else None. Asks nothing."""
     from huggingface_hub import try_to_load_from_cache
     config = try_to_load_from_cache(repo, "config.json")  # its path, or a mark that it is not
-    return Path(config).parent if isinstance(config, str) and complete(Path(config).parent) else None
+    folder = Path(config).parent if isinstance(config, str) else None
+    return folder if folder and complete(folder) else None
 
 def download(repo, local_dir):
     """Fetch repo's configs, template, tokenizer and safetensors weights that local_dir (None: the
@@ -1061,10 +1062,11 @@ def explain(prompt_ids, hidden):
     for i, (token, p) in enumerate(logit_lens(hidden), 1):
         print(bar_row(f"block {i}", token, p))
 
-def reply(prompt_ids, args, cache, start=0, echo="", keep=None):
+def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
     """One completion: --explain and --show-probs, then the text as it comes (after echo) and the
-    statistics -> the new ids. The prompt goes into the cache once; generate() continues from it.
-    keep: (position, list): the list is given the cache as it is at that position of the prompt."""
+    statistics (--quiet: the text alone) -> generated, the new ids, each added as it is printed.
+    The prompt goes into the cache once; generate() continues from it. keep: (position, list):
+    the list is given the cache as it is at that position of the prompt."""
     held = start + len(prompt_ids)
     if held >= MAX_POS:
         raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
@@ -1093,8 +1095,8 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None):
             print(bar_row("", token, p))
     if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
         raise not_finite("after the prompt", logits.dtype)
-    print("=" * 10 + "\n" + echo, end="", flush=True)
-    generated, first = [], None
+    print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
+    generated, first = [] if generated is None else generated, None
     if args.draft:
         tokens = generate_draft(prompt_ids, args.max_tokens, sampler_of(args), args.draft,
                                 args.num_draft_tokens, cache, start, states, counts)
@@ -1104,6 +1106,9 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None):
         first = first or time.perf_counter()  # the first token ends the prefill
         generated.append(token)
         print(piece, end="", flush=True)
+    if args.quiet:
+        print(flush=True)
+        return generated
     print_stats(len(prompt_ids), len(generated), tic, first or time.perf_counter(), cache, held)
     if args.draft:  # after mlx-lm's lines: what drafting did
         by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
@@ -1163,15 +1168,19 @@ def reply_batch(texts, args):
 
 def converse(args):
     """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:
-    each turn computes only what its prompt does not share with what the cache holds."""
+    each turn computes only what its prompt does not share with what the cache holds. At a
+    terminal: line editing and history (readline), the answers alone unless --verbose, and Ctrl-C
+    stops an answer, keeping the conversation (that answer as far as it came) and its cache."""
     at_terminal = sys.stdin.isatty()
-    if at_terminal:  # a person types: say how to end, and prompt as mlx_lm.chat does
-        print("Type a message and press Enter; an empty line or Ctrl-D ends the chat.",
-              file=sys.stderr)
+    if at_terminal:  # a person types: say how to end; answers as quiet as mlx_lm.chat's
+        import readline  # noqa: F401 (input() edits the line and keeps a history with it)
+        print("Type a message and press Enter; an empty line or Ctrl-D ends the chat; Ctrl-C "
+              "stops an answer.", file=sys.stderr)
+        args.quiet = args.quiet or not args.verbose
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     turns, cache, cached_ids, saved, mark = [], [None] * N_LAYERS, [], None, 0
     while True:
-        print(">> " if at_terminal else "", end="", flush=True)
-        line = as_text(sys.stdin.buffer.readline()).rstrip("\r\n")
+        line = read_line(at_terminal)
         if not line:  # an empty line, or the end of the input
             return
         turns.append(line)
@@ -1180,16 +1189,35 @@ def converse(args):
         if QWEN35 and reused < len(cached_ids):  # a DeltaNet's state cannot be cut back: go on
             reused = mark if saved and mark <= reused else 0  # from the one kept at the mark
             cache[:] = saved if reused else [None] * N_LAYERS
-        print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
+        if not args.quiet:
+            print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
         # The next turn's prompt renders this answer without its thinking, so it parts from this
         # one right after "<|im_start|>assistant\n": Qwen3.5's cache is kept as it is there.
         mark = len(prompt_ids) - len(tokenize(chat_prompt([""], None, not args.no_think)
                                               .split("<|im_start|>assistant\n")[-1]))
-        saved = [] if QWEN35 and mark > reused else None
-        generated = reply(prompt_ids[reused:], args, cache, reused,
-                          keep=None if saved is None else (mark, saved))
+        saved, generated = [] if QWEN35 and mark > reused else None, []
+        try:
+            reply(prompt_ids[reused:], args, cache, reused,
+                  keep=None if saved is None else (mark, saved), generated=generated)
+            cached_ids = prompt_ids + generated  # what generate() leaves in the cache
+        except KeyboardInterrupt:  # Ctrl-C: the cache may hold more than was printed (Step 9):
+            print(flush=True)      # it is trusted as far as sure; -1, no id, makes a DeltaNet
+            sure = prompt_ids + generated[:-1] if generated else prompt_ids[:reused]
+            cached_ids = sure + [-1]  # state go back to the mark (above)
         turns.append(TOK.decode(generated))
-        cached_ids = prompt_ids + generated  # what generate() leaves in the cache
+
+def read_line(at_terminal):
+    """The next line of the chat: typed at the ">> " prompt, or read from a pipe; "" at the end."""
+    if not at_terminal:
+        return as_text(sys.stdin.buffer.readline()).rstrip("\r\n")
+    try:
+        return input(">> ")
+    except EOFError:  # Ctrl-D
+        print()
+        return ""
+    except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat, as it ends a shell's command
+        print()
+        sys.exit(130)
 
 def as_text(data, source="standard input"):
     """Bytes (standard input, or a flag given as bytes) -> text; not UTF-8: a UserError."""
@@ -1205,27 +1233,33 @@ class Flags(argparse.ArgumentParser):
 
 def parse_args(argv):
     """The flags, named as in mlx_lm.generate; every value is checked before any work."""
-    ap = Flags(description="Qwen3 text generation from scratch with MLX.")
-    ap.add_argument("--model", default=str(HERE / "Qwen3-0.6B"), help="folder or Hugging Face repo")
-    ap.add_argument("--prompt", "-p", action="append",
-                    help='default: "The capital of France is"; "-" reads stdin; again: a batch')
-    ap.add_argument("--prompts", metavar="FILE", help="one prompt a line, decoded as a batch")
-    ap.add_argument("--batch-size", type=int, default=8, metavar="N", help="most rows at once")
-    ap.add_argument("--draft", choices=["mtp", "lookup"], help="draft ahead: Qwen3.5's MTP head, "
-                    "or prompt lookup")
-    ap.add_argument("--num-draft-tokens", type=int, metavar="K", help="mtp: 1; lookup: 3")
-    ap.add_argument("--max-tokens", "-m", type=int, default=100)
-    ap.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0, help="sample from this much probability")
-    ap.add_argument("--top-k", type=int, default=0, help="sample from the K likeliest (0: all)")
-    ap.add_argument("--min-p", type=float, default=0.0, help="none under this x the likeliest's")
-    ap.add_argument("--seed", type=int, help="makes sampling reproducible")
-    ap.add_argument("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next")
-    ap.add_argument("--explain", action="store_true", help="the steps inside (chat: each turn's)")
-    ap.add_argument("--chat", action="store_true", help="chat template; without --prompt: a chat")
-    ap.add_argument("--system", help="system message, with --chat")
-    ap.add_argument("--no-think", action="store_true", help="switch thinking off, with --chat")
-    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: weights'")
+    ap = Flags(description="Qwen3 text generation from scratch with MLX.",
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = ap.add_argument
+    add("--model", default=str(HERE / "Qwen3-0.6B"), help="a folder, or a Hugging Face repo id")
+    add("--prompt", "-p", action="append", help='"-" reads stdin; given again: a batch '
+        '(none: "The capital of France is")')
+    add("--prompts", metavar="FILE", help="one prompt a line, decoded as a batch")
+    add("--batch-size", type=int, default=8, metavar="N", help="most rows decoded at once")
+    add("--max-tokens", "-m", type=int, default=100, help="most tokens generated")
+    add("--temperature", "--temp", type=float, default=0.0, help="0: greedy")
+    add("--top-p", type=float, default=1.0, help="sample from this much probability")
+    add("--top-k", type=int, default=0, help="sample from the K likeliest (0: all)")
+    add("--min-p", type=float, default=0.0, help="none under this x the likeliest's")
+    add("--seed", type=int, help="makes sampling reproducible")
+    add("--draft", choices=["mtp", "lookup"], help="draft ahead: Qwen3.5's MTP head, or prompt "
+        "lookup")
+    add("--num-draft-tokens", type=int, metavar="K", help="tokens drafted at a time (mtp: 1, "
+        "lookup: 3)")
+    add("--chat", action="store_true", help="chat template; without --prompt: a chat")
+    add("--system", help="system message, with --chat")
+    add("--no-think", action="store_true", help="switch thinking off, with --chat")
+    add("--dtype", choices=["bfloat16", "float16", "float32"], help="compute in this (none: the "
+        "weights' own)")
+    add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
+    add("--explain", action="store_true", help="the steps inside (chat: each turn's)")
+    add("--quiet", "-q", action="store_true", help="print the completion only")
+    add("--verbose", action="store_true", help="a chat at a terminal: each answer's statistics")
     args = ap.parse_args(argv)
     checks = [(args.max_tokens < 1, "--max-tokens must be at least 1"),
               (not args.temperature >= 0, "--temperature must be 0 or more"),
@@ -1242,6 +1276,7 @@ def parse_args(argv):
                "--draft mtp drafts 1 token at a time (its head predicts one ahead)"),
               (args.system is not None and not args.chat, "--system needs --chat"),
               (args.no_think and not args.chat, "--no-think needs --chat"),
+              (args.quiet and args.verbose, "--quiet and --verbose ask for opposites"),
               (args.seed is not None and not 0 <= args.seed < 2**64,
                "--seed must be from 0 to 2**64 - 1")]
     for wrong, message in checks:
@@ -1278,6 +1313,22 @@ def read_prompts(args):
         raise UserError("--draft decodes one prompt at a time: give one (see --help)")
     return texts or [None]
 
+def summary(folder, cfg):
+    """The model's line: what runs, its layers, heads and size, the dtype it computes in."""
+    weights = {id(w): w for w in W.values()}.values()  # a tied head once
+    size = f"{sum(w.size for w in weights) / 1e9:.2f}B parameters"
+    if cfg["quantization"]:  # packed words: the format and the bytes, not the count
+        quant = cfg["quantization"]
+        size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
+                f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
+    name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
+    if QWEN35:  # and what of it is not run
+        head = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
+        name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {head})"
+        layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
+    return (f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
+            f"{size}, {dtype_name(W['model.norm.weight'].dtype)}")
+
 def main(argv=None):
     args = parse_args(argv)
     texts = read_prompts(args)
@@ -1289,31 +1340,22 @@ def main(argv=None):
         if args.chat and len(tokenize(tag)) != 1:  # a base model's tokenizer spells them out
             raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
                             "the chat tokens of Qwen3's instruct models")
-    weights = {id(w): w for w in W.values()}.values()  # a tied head once
-    size = f"{sum(w.size for w in weights) / 1e9:.2f}B parameters"
-    if cfg["quantization"]:  # packed words: the format and the bytes, not the count
-        quant = cfg["quantization"]
-        size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
-                f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
-    name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
     if args.draft == "mtp" and "mtp.fc.weight" not in W:
         raise UserError(f"{folder} has no MTP head (mtp.* tensors): --draft mtp needs Qwen3.5's "
                         "own; --draft lookup drafts with any model")
-    if QWEN35:  # and what of it is not run
-        head = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
-        name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {head})"
-        layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
-    print(f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
-          f"{size}, {dtype_name(W['model.norm.weight'].dtype)}")
+    text, ids = texts[0] or "The capital of France is", None
+    if len(texts) == 1 and (texts[0] or not args.chat):  # one prompt: checked before any output
+        ids = chat_prompt_ids(texts, args) if args.chat else tokenize(text)
+        if len(ids) >= MAX_POS:
+            raise UserError(f"the prompt is {len(ids)} tokens; the context holds {MAX_POS}")
+    if not args.quiet:
+        print(summary(folder, cfg))
     if len(texts) > 1:
         reply_batch(texts, args)
-    elif args.chat and texts[0] is None:
+    elif ids is None:
         converse(args)
-    elif args.chat:
-        reply(chat_prompt_ids(texts, args), args, [None] * N_LAYERS)
     else:
-        reply(tokenize(texts[0] or "The capital of France is"), args, [None] * N_LAYERS,
-              echo=texts[0] or "The capital of France is")
+        reply(ids, args, [None] * N_LAYERS, echo="" if args.chat else text)
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130
