@@ -579,6 +579,8 @@ import argparse, errno, os, re, shlex, shutil, signal, socket, sys, time, warnin
 from tokenizers.decoders import DecodeStream  # noqa: E402
 from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokenizers)
 
+# ─── File checks: every file, config entry and tensor, before any of it runs ───
+
 class UserError(Exception):
     """The user's flags, files or numbers: printed as one line; exit status 1 (130: interrupted)."""
     def __init__(self, message, status=1):
@@ -586,8 +588,7 @@ class UserError(Exception):
         self.status = status
 
 def load_checked(model_dir, dtype=None):
-    """load() with every check: each file, config entry and tensor the model uses, before any of
-    it runs (a broken one raises UserError). Fills the same names, through use(). -> the config"""
+    """load() with every file, config entry and tensor checked first (UserError) -> the config"""
     cfg = read_configs(model_dir)  # config.json, generation_config.json: CONFIG's entries
     weights = read_weights(model_dir, cfg, dtype)  # each tensor the model uses, of its right shape
     tok = read_tokenizer(model_dir, cfg)  # every id a row of the embedding
@@ -610,8 +611,6 @@ def read_file(path, parse, what):
         if path.is_symlink():  # a Hugging Face cache whose blob was deleted
             raise UserError(f"{path} is a broken link to {os.readlink(path)}: download it again")
         raise UserError(f"{path.parent} lacks {path.name}") from None
-    except NotADirectoryError:
-        raise UserError(f"{path.parent} is a file, not a folder (a model is a folder)") from None
     except OSError as e:
         raise UserError(f"{path} cannot be read: {(e.strerror or str(e)).lower()}") from None
     try:
@@ -704,23 +703,18 @@ def read_configs(model_dir):
             "qwen35": qwen35_config(cfg, path)}
 
 def weight_files(folder):
-    """{file: the tensors to read from it, None for all}: what model.safetensors.index.json names,
-    else model.safetensors. No other *.safetensors: an older download left there would mix in."""
-    index = folder / "model.safetensors.index.json"
+    """{file: its tensors, None for all}: as model.safetensors.index.json names them, else
+    model.safetensors. No other *.safetensors: an older download left there would mix in."""
+    index, files = folder / "model.safetensors.index.json", {}
     if not index.exists():
         return {folder / "model.safetensors": None}
-    weight_map = read_file(index, parse_json, "valid JSON")
-    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise UserError(f"{index} must hold a weight_map {{tensor name: file}}")
-    files = {}
-    for name, file in weight_map.items():
+    for name, file in read_file(index, parse_json, "valid JSON")["weight_map"].items():
         files.setdefault(folder / file, []).append(name)
     return files
 
 def read_weights(model_dir, cfg, dtype):
-    """The checkpoint's files -> W: the tensors the model uses, each of the shape config.json
-    predicts and finite in dtype (or in their own), read from disk now."""
+    """The files -> the tensors the model uses, of the shapes config.json predicts, finite in dtype
+    (or their own), read from disk now."""
     folder, weights, source = Path(model_dir), {}, {}
     for file, names in weight_files(folder).items():
         tensors = read_file(file, mx.load, "a complete safetensors file")  # lazy: read on use
@@ -804,11 +798,8 @@ def qwen35_config(cfg, path):
     return {**{name: cfg[name] for name in QWEN35_CONFIG}, "mtp": mtp}
 
 def qwen35_weights(weights):
-    """Hugging Face's checkpoint (its convolution (C, 1, K)) stores its norms (five kinds, and
-    three of the MTP head's own) as offsets from 1,
-    not the DeltaNet's: they become gains, 1 added in the stored dtype, before any --dtype, as
-    mlx-lm does (transformers adds it in float32: on bfloat16 weights the two differ by one
-    rounding of each gain, a few 1e-2 in the logits). mlx-lm's conversions (C, K, 1) hold gains."""
+    """Hugging Face's Qwen3.5 (convolution (C, 1, K)) stores its norms, but the DeltaNet's, as
+    offsets from 1: 1 is added in the stored dtype, as mlx-lm does. mlx-lm's own hold gains."""
     hf = any(name.endswith("conv1d.weight") and w.shape[1] == 1 for name, w in weights.items())
     offsets = ("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight",
                "mtp.norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
@@ -820,17 +811,15 @@ def qwen35_weights(weights):
     return weights
 
 def mtp_shapes(cfg, layer):
-    """The MTP head's 15 tensors -> their shapes: fc (D, 2D), its two input norms, one layer of
-    Qwen3.5's full attention (mtp.layers.0.*), and its final norm."""
+    """The MTP head's 15 tensors -> their shapes: fc, 3 norms, a full-attention layer."""
     d, full = cfg["hidden_size"], cfg["qwen35"]["layer_types"].index("full_attention")
-    own = {name: shape for name, shape in qwen35_shapes(cfg, full, layer).items()}
+    own = qwen35_shapes(cfg, full, layer)
     return {"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,),
             "mtp.pre_fc_norm_hidden.weight": (d,), "mtp.norm.weight": (d,),
             **{f"mtp.layers.0.{name}": shape for name, shape in own.items()}}
 
 def qwen35_shapes(cfg, i, layer):
-    """Layer i's tensors -> their shapes, from a Qwen3 layer's: norms and mlp the same; Step 5's
-    attention with q_proj twice as tall (q and a gate), or the DeltaNet's."""
+    """Layer i's tensors -> shapes: a Qwen3 layer's with q_proj twice as tall, or DeltaNet's."""
     d, c = cfg["hidden_size"], cfg["qwen35"]
     if c["layer_types"][i] == "full_attention":
         q = layer["self_attn.q_proj.weight"][0]
@@ -859,12 +848,11 @@ def dtype_name(dtype):
     return str(dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
 
 
-# ─── Where the files come from: a folder, or the Hugging Face Hub ───
+# ─── Download: a folder, or the Hugging Face Hub ───
 
 def model_folder(model):
-    """--model -> the folder to load: a folder as it is; the default folder while it lacks a file
-    load_checked() reads, and a plain owner/name repo id not whole in the Hugging Face cache, are
-    downloaded first (a second run asks the Hub nothing)."""
+    """--model -> its folder; the default folder, or a plain owner/name repo id not whole in the
+    Hugging Face cache, downloaded first (a second run asks the Hub nothing)."""
     path = Path(model).resolve()
     if path.is_file():
         raise UserError(f"{path} is a file, not a folder (a model is a folder)")
@@ -889,9 +877,8 @@ def cached_folder(repo):
     return folder if folder and complete(folder) else None
 
 def download(repo, local_dir):
-    """Fetch repo's configs, template, tokenizer and safetensors weights that local_dir (None: the
-    Hugging Face cache) lacks, one file at a time, each announced by a line before it comes; then
-    check them against the Hub's checksums. -> the folder"""
+    """Fetch what local_dir (None: the Hugging Face cache) lacks of repo's configs, tokenizer and
+    weights, each file announced first; check them against the Hub's checksums. -> the folder"""
     from huggingface_hub import HfApi, constants, hf_hub_download, logging
     from huggingface_hub.utils import disable_progress_bars
     logging.set_verbosity_warning()  # its retries show, a line each
@@ -927,29 +914,25 @@ def download(repo, local_dir):
 
 def files_to_fetch(api, repo, local_dir):
     """The repo's top-level configs, template and safetensors weights (the default folder: FILES
-    of them) -> {name: size}. None of its weights in safetensors: a UserError."""
+    of them) -> {name: size}"""
     files = {f.path: f.size for f in api.list_repo_tree(repo) if hasattr(f, "size")}
     if not any(name.endswith(".safetensors") for name in files):
-        shown = ", ".join(files) if len(files) < 8 else ", ".join(list(files)[:7]) + ", ..."
         raise UserError(f"{repo} has no model.safetensors: this script runs safetensors "
-                        f"checkpoints (the repo holds {shown})")
+                        f"checkpoints (the repo holds {', '.join(list(files)[:7])})")
     wanted = r"[^/]+\.(json|jinja|safetensors)"
     return {name: size for name, size in files.items() if re.fullmatch(wanted, name)
             and (local_dir is None or name in FILES)}
 
 def present(repo, name, local_dir):  # a file there from an earlier run -> its path, else None
     from huggingface_hub import try_to_load_from_cache
-    if local_dir is not None:
-        return local_dir / name if (local_dir / name).exists() else None
-    path = try_to_load_from_cache(repo, name)  # its path, or a mark that it is not there
-    return Path(path) if isinstance(path, str) else None
+    path = local_dir / name if local_dir else try_to_load_from_cache(repo, name)  # or a mark
+    return Path(path) if isinstance(path, (str, Path)) and Path(path).exists() else None
 
 def human(size):  # bytes, as tqdm writes them: 31.4MB
     return tqdm.format_sizeof(size) + "B"
 
 def verify(api, repo, local_dir, fetched):
-    """The files fetched now against the Hub's checksums (HfApi.verify_repo_checksums: SHA-256 of
-    a large file, git's SHA-1 of a small one). A mismatch: the file is removed, UserError."""
+    """The files fetched now against the Hub's checksums; a mismatch removes the file: UserError."""
     if not fetched:
         return
     result = api.verify_repo_checksums(repo, local_dir=local_dir)
@@ -967,8 +950,7 @@ def causes(error):  # an exception and what it was raised from, or while handlin
         error = error.__cause__ or error.__context__
 
 def download_trouble(error, into):
-    """What stopped a download, in a few words: the Hub's answer, the network, the disk. None:
-    none of these (a bug)."""
+    """What stopped a download, in a few words (None: none of these, a bug)."""
     from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
     for e in causes(error):
@@ -993,6 +975,8 @@ def hand_command(repo, local_dir):  # what download() does, as a shell command
     if local_dir is not None:
         return f"hf download {repo} {' '.join(FILES)} --local-dir {shlex.quote(str(local_dir))}"
     return f'hf download {repo} --include "*.json" --include "*.jinja" --include "*.safetensors"'
+
+# ─── Chat and --explain: the text as it comes, the template, the steps inside ───
 
 def stream_text(token_ids):
     """Yield (id, the text it adds). A character split over two tokens (emoji, CJK) comes whole."""
@@ -1022,8 +1006,7 @@ def chat_prompt_ids(turns, args):
     return tokenize(chat_prompt(turns, args.system, not args.no_think))
 
 def reusable(cached_ids, prompt_ids):
-    """How many cached positions a new prompt keeps: the ids' common prefix, leaving at least the
-    prompt's last token to compute (its logits give the reply's first token)."""
+    """Cached positions a new prompt keeps: the common prefix, short of the prompt's last token."""
     return len(os.path.commonprefix([cached_ids, prompt_ids[:-1]]))  # element by element
 
 def cache_bytes(cache, positions=None, kind="full_attention"):
@@ -1047,8 +1030,7 @@ def top_tokens(logits, k, where="the prompt"):
     return [(t, probs[t].item()) for t in top]
 
 def logit_lens(hidden):
-    """hidden: x after each block, (1, D) each -> [(id, p)] of the likeliest next token had the
-    model stopped there: through lm_head(), its final norm too (else early blocks read as noise)."""
+    """hidden: x after each block -> [(id, p)], the likeliest token had the model stopped there."""
     return [top_tokens(lm_head(x)[-1], 1, f"block {i}")[0] for i, x in enumerate(hidden, 1)]
 
 def bar_row(label, token, p):  # a row of a probability table: 30 blocks for p = 1
@@ -1118,8 +1100,7 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
     return generated
 
 def print_stats(n_prompt, n, tic, first, cache, held):
-    """The lines mlx_lm.generate prints (the prompt's speed: up to the first token), then the
-    KV cache's: the positions it holds and their bytes (of the bytes its buffers hold)."""
+    """mlx_lm.generate's lines (the prompt's rate: to the first token), then the KV cache's."""
     end = time.perf_counter()
     print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (first - tic):.3f} tokens-per-sec")
     print(f"Generation: {n} tokens, {max(n - 1, 0) / max(end - first, 1e-9):.3f} tokens-per-sec")
@@ -1219,6 +1200,8 @@ def read_line(at_terminal):
         print()
         sys.exit(130)
 
+# ─── The command line: flags, prompts, main() ───
+
 def as_text(data, source="standard input"):
     """Bytes (standard input, or a flag given as bytes) -> text; not UTF-8: a UserError."""
     try:
@@ -1287,8 +1270,7 @@ def parse_args(argv):
     return args
 
 def read_prompts(args):
-    """The prompts: each --prompt's text (standard input's, for "-"), then --prompts FILE's lines;
-    [None] for none. Checked, the standard streams first."""
+    """Each --prompt's text ("-": stdin's), then --prompts FILE's lines, checked; [None]: none."""
     texts = args.prompt or []
     if sys.stdout is None:  # started with it closed (>&-): print() would drop the text silently
         raise UserError("standard output is closed: there is nowhere to print the text")
@@ -1315,10 +1297,9 @@ def read_prompts(args):
 
 def summary(folder, cfg):
     """The model's line: what runs, its layers, heads and size, the dtype it computes in."""
-    weights = {id(w): w for w in W.values()}.values()  # a tied head once
+    weights, quant = {id(w): w for w in W.values()}.values(), cfg["quantization"]  # tied: once
     size = f"{sum(w.size for w in weights) / 1e9:.2f}B parameters"
-    if cfg["quantization"]:  # packed words: the format and the bytes, not the count
-        quant = cfg["quantization"]
+    if quant:  # packed words: the format and the bytes, not the count
         size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
                 f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
     name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
