@@ -880,11 +880,8 @@ def download(repo, local_dir):
     """Fetch what local_dir (None: the Hugging Face cache) lacks of repo's configs, tokenizer and
     weights, each file announced first; check them against the Hub's checksums. -> the folder"""
     from huggingface_hub import HfApi, constants, hf_hub_download, logging
-    from huggingface_hub.utils import disable_progress_bars
     logging.set_verbosity_warning()  # its retries show, a line each
     warnings.filterwarnings("ignore", module="huggingface_hub")  # "not enough free disk space"
-    if not sys.stderr.isatty():  # a log, not a terminal: no bars redrawn
-        disable_progress_bars()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: huggingface_hub tidies up
     api, name, fetched, into = HfApi(), "the file list", {}, local_dir or constants.HF_HUB_CACHE
     try:
@@ -898,9 +895,9 @@ def download(repo, local_dir):
         name = "the checksums"
         verify(api, repo, local_dir, fetched)
     except KeyboardInterrupt:
-        raise UserError(f"the download was interrupted during {name} (not kept); run the same "
-                        f"command again: it fetches {name} again from the start and keeps the "
-                        "files already complete", 130) from None
+        raise UserError(f"the download was interrupted during {name}; run the same command "
+                        "again: it keeps the files already complete and fetches the rest (a file "
+                        "begun, from its start)", 130) from None
     except Exception as e:  # the Hub's, the network's or the disk's, else a bug: its traceback
         why = download_trouble(e, local_dir or constants.HF_HUB_CACHE)
         if why is None:

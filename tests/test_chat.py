@@ -152,3 +152,16 @@ def test_ctrl_c_during_a_turns_prefill(slow_checkpoint, tokenizer):
     li.load(slow_checkpoint)
     ids = tokenizer.encode(li.chat_prompt([long, "", "And Japan?"])).ids
     assert second.split("==========\n")[1] == "".join(answer_pieces(ids, 5)) + "\n"
+
+
+def test_ctrl_c_at_the_prompt_ends_the_chat(checkpoint):
+    """At the ">> " prompt (no answer to stop) Ctrl-C ends the chat, as it ends a shell command:
+    exit status 130, no traceback."""
+    t = Terminal("--model", str(checkpoint()), "--chat", "-m", "3")
+    t.read_until(b">> ")
+    t.type(b"Hello there\r")
+    t.read_until(b">> ", 2)
+    time.sleep(0.3)
+    t.p.send_signal(signal.SIGINT)
+    code, out, err = t.close()
+    assert code == 130 and "Traceback" not in err, err

@@ -152,7 +152,7 @@ def test_first_run_at_a_terminal(hub, fresh_clone, checkpoint, columns):
 
 def test_ctrl_c_during_the_download(hub, fresh_clone):
     """Ctrl-C while the weights arrive: exit status 130 at once, one line that names the file and
-    what a rerun does; no file under a final name, no partial file left
+    what a rerun does (the file's line before it); no file under a final name, no partial file left
     (huggingface_hub removes its own); the next run fetches that file again, from the start."""
     hub.slow["model.safetensors"] = 3.0
     p = subprocess.Popen([sys.executable, str(fresh_clone / "llm_inference.py"), "-m", "3"],
@@ -170,9 +170,9 @@ def test_ctrl_c_during_the_download(hub, fresh_clone):
     assert p.returncode == 130 and time.time() - tic < 2, err
     assert "Traceback" not in err and out == b""
     assert err.strip().splitlines()[-1] == (
-        "error: the download was interrupted during model.safetensors (not kept); run the same "
-        "command again: it fetches model.safetensors again from the start and keeps the files "
-        "already complete")
+        "error: the download was interrupted during model.safetensors; run the same command "
+        "again: it keeps the files already complete and fetches the rest (a file begun, from its "
+        "start)")
     folder = fresh_clone / "Qwen3-0.6B"
     assert not (folder / "model.safetensors").exists()
     assert [f for f in folder.rglob("*") if f.name.endswith(".incomplete")] == []

@@ -97,3 +97,24 @@ def test_a_repo_id_in_the_cache_without_its_weights(checkpoint, tmp_path):
         assert len(r.stderr.splitlines()) == 1  # only what was missing
     finally:
         hub.close()
+
+
+def test_the_default_folder_takes_its_five_files_only(checkpoint, tmp_path):
+    """The Hub's Qwen/Qwen3-0.6B holds more than the script reads (a model card, a merges file):
+    the default folder gets the five files, generation_config.json among them, nothing else."""
+    hub = StandInHub()
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    shutil.copy(ROOT / "llm_inference.py", clone)
+    release = Path(shutil.copytree(checkpoint(), tmp_path / "release"))
+    (release / "README.md").write_text("a model card")
+    (release / "vocab.json").write_text("{}")
+    try:
+        hub.add_repo("Qwen/Qwen3-0.6B", release, sorted(p.name for p in release.iterdir()))
+        r = subprocess.run([sys.executable, str(clone / "llm_inference.py"), "-m", "3"],
+                           env=environment(hub, tmp_path / "hf"), capture_output=True, text=True)
+    finally:
+        hub.close()
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (clone / "Qwen3-0.6B").iterdir() if p.name != ".cache") == sorted(
+        ARTICLE + ["generation_config.json"])
