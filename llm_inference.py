@@ -889,7 +889,7 @@ def download(repo, local_dir):
         for name, size in sizes.items():
             path = present(repo, name, local_dir)
             if path is None:
-                print(f"{name}: {human(size)} from {constants.ENDPOINT}/{repo} into {into}",
+                print(f"{name}: {tqdm.format_sizeof(size)}B from {constants.ENDPOINT}/{repo} into {into}",
                       file=sys.stderr, flush=True)
                 path = fetched[name] = Path(hf_hub_download(repo, name, local_dir=local_dir))
         name = "the checksums"
@@ -924,9 +924,6 @@ def present(repo, name, local_dir):  # a file there from an earlier run -> its p
     from huggingface_hub import try_to_load_from_cache
     path = local_dir / name if local_dir else try_to_load_from_cache(repo, name)  # or a mark
     return Path(path) if isinstance(path, (str, Path)) and Path(path).exists() else None
-
-def human(size):  # bytes, as tqdm writes them: 31.4MB
-    return tqdm.format_sizeof(size) + "B"
 
 def verify(api, repo, local_dir, fetched):
     """The files fetched now against the Hub's checksums; a mismatch removes the file: UserError."""
@@ -1193,9 +1190,6 @@ def read_line(at_terminal):
     except EOFError:  # Ctrl-D
         print()
         return ""
-    except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat, as it ends a shell's command
-        print()
-        sys.exit(130)
 
 # ─── The command line: flags, prompts, main() ───
 
@@ -1343,6 +1337,9 @@ if __name__ == "__main__":
     except UserError as e:  # the user's flags, files or numbers: one line; a bug, its traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.status)
+    except KeyboardInterrupt:  # a chat at a terminal, Ctrl-C but in an answer: it ends, as a
+        print(file=sys.stderr)  # shell's command ends
+        sys.exit(130)
     except FloatingPointError as e:  # not_finite()'s: the logits overflowed the dtype
         print(f"error: {e} (--dtype float32)", file=sys.stderr)
         sys.exit(1)
