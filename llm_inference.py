@@ -575,7 +575,7 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
                 (row["token"], row["finite"]), row["pos"] = row.pop("next"), row["pos"] + 1
 
 # ═══ Part III — what serves it all: file checks, download, chat, the command line ═══
-import argparse, errno, os, re, shlex, shutil, signal, socket, sys, time, warnings  # noqa
+import argparse, errno, os, re, shlex, signal, socket, sys, time, warnings  # noqa
 from tokenizers.decoders import DecodeStream  # noqa: E402
 from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokenizers)
 
@@ -889,8 +889,8 @@ def download(repo, local_dir):
         for name, size in sizes.items():
             path = present(repo, name, local_dir)
             if path is None:
-                print(f"{name}: {tqdm.format_sizeof(size)}B from {constants.ENDPOINT}/{repo} into {into}",
-                      file=sys.stderr, flush=True)
+                print(f"{name}: {tqdm.format_sizeof(size)}B from {constants.ENDPOINT}/{repo} "
+                      f"into {into}", file=sys.stderr, flush=True)
                 path = fetched[name] = Path(hf_hub_download(repo, name, local_dir=local_dir))
         name = "the checksums"
         verify(api, repo, local_dir, fetched)
@@ -1175,10 +1175,10 @@ def converse(args):
             reply(prompt_ids[reused:], args, cache, reused,
                   keep=None if saved is None else (mark, saved), generated=generated)
             cached_ids = prompt_ids + generated  # what generate() leaves in the cache
-        except KeyboardInterrupt:  # Ctrl-C: the cache may hold more than was printed (Step 9):
-            print(flush=True)      # it is trusted as far as sure; -1, no id, makes a DeltaNet
+        except KeyboardInterrupt:  # Ctrl-C: the answer stops; the cache may hold a token more
+            print(flush=True)      # than was printed (Step 9), so it is trusted as far as sure,
             sure = prompt_ids + generated[:-1] if generated else prompt_ids[:reused]
-            cached_ids = sure + [-1]  # state go back to the mark (above)
+            cached_ids = sure + [-1]  # and -1 (no id) sends a DeltaNet state back to the mark
         turns.append(TOK.decode(generated))
 
 def read_line(at_terminal):
