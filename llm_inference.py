@@ -893,7 +893,8 @@ def download(repo, local_dir):
                       f"into {into}", file=sys.stderr, flush=True)
                 path = fetched[name] = Path(hf_hub_download(repo, name, local_dir=local_dir))
         name = "the checksums"
-        verify(api, repo, local_dir, fetched)
+        if fetched:
+            verify(api, repo, local_dir, fetched)
     except KeyboardInterrupt:
         raise UserError(f"the download was interrupted during {name}; run the same command "
                         "again: it keeps the files already complete and fetches the rest (a file "
@@ -927,8 +928,6 @@ def present(repo, name, local_dir):  # a file there from an earlier run -> its p
 
 def verify(api, repo, local_dir, fetched):
     """The files fetched now against the Hub's checksums; a mismatch removes the file: UserError."""
-    if not fetched:
-        return
     result = api.verify_repo_checksums(repo, local_dir=local_dir)
     for bad in [m for m in result.mismatches if m["path"] in fetched]:
         path = fetched[bad["path"]]
@@ -1198,8 +1197,7 @@ def as_text(data, source="standard input"):
     try:
         return data.decode()
     except UnicodeDecodeError as e:
-        where = f"{e.reason} at byte {e.start}"
-        raise UserError(f"{source} is not UTF-8 text ({where})") from None
+        raise UserError(f"{source} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 class Flags(argparse.ArgumentParser):
     def error(self, message):  # argparse's own: its usage, then exit 2; ours: one line
@@ -1221,15 +1219,12 @@ def parse_args(argv):
     add("--top-k", type=int, default=0, help="sample from the K likeliest (0: all)")
     add("--min-p", type=float, default=0.0, help="none under this x the likeliest's")
     add("--seed", type=int, help="makes sampling reproducible")
-    add("--draft", choices=["mtp", "lookup"], help="draft ahead: Qwen3.5's MTP head, or prompt "
-        "lookup")
-    add("--num-draft-tokens", type=int, metavar="K", help="tokens drafted at a time (mtp: 1, "
-        "lookup: 3)")
+    add("--draft", choices=["mtp", "lookup"], help="draft with Qwen3.5's MTP head, or by lookup")
+    add("--num-draft-tokens", type=int, metavar="K", help="drafted at a time (mtp: 1, lookup: 3)")
     add("--chat", action="store_true", help="chat template; without --prompt: a chat")
     add("--system", help="system message, with --chat")
     add("--no-think", action="store_true", help="switch thinking off, with --chat")
-    add("--dtype", choices=["bfloat16", "float16", "float32"], help="compute in this (none: the "
-        "weights' own)")
+    add("--dtype", choices=["bfloat16", "float16", "float32"], help="none: the weights' own")
     add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
     add("--explain", action="store_true", help="the steps inside (chat: each turn's)")
     add("--quiet", "-q", action="store_true", help="print the completion only")
