@@ -667,9 +667,11 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
                 row.pos += 1
 
 # ═══ Part III — what serves it all: file checks, download, chat, the command line ═══
-import argparse, errno, os, re, shlex, shutil, signal, socket, sys, time, warnings  # noqa
+import argparse, errno, os, re, shlex, signal, socket, sys, time, warnings  # noqa
 from tokenizers.decoders import DecodeStream  # noqa: E402
 from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokenizers)
+
+# ─── File checks: every file, config entry and tensor, before any of it runs ───
 
 class UserError(Exception):
     """The user's flags, files or numbers: printed as one line; exit status 1 (130: interrupted)."""
@@ -678,11 +680,14 @@ class UserError(Exception):
         self.status = status
 
 def load_checked(model_dir, dtype=None):
-    """load() with every check: each file, config entry and tensor the model uses, before any of
-    it runs (a broken one raises UserError). Fills the same names, through use(). -> the config"""
+    """load() with every file, config entry and tensor checked first (UserError) -> the config"""
     cfg = read_configs(model_dir)  # config.json, generation_config.json: CONFIG's entries
     weights = read_weights(model_dir, cfg, dtype)  # each tensor the model uses, of its right shape
-    return use(cfg, weights, read_tokenizer(model_dir, cfg))  # every id a row of the embedding
+    tok = read_tokenizer(model_dir, cfg)  # every id a row of the embedding
+    if not (Path(model_dir) / "generation_config.json").exists():  # the article's four files:
+        ends = [tok.token_to_id(name) for name in ("<|im_end|>", "<|endoftext|>")]  # Qwen3's EOS
+        cfg["eos_ids"] |= set(ends) - {None}
+    return use(cfg, weights, tok)
 
 HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"  # the default folder: beside
 # the script (the article's is ./Qwen3-0.6B/ from wherever it is started), and where it comes from
@@ -698,8 +703,6 @@ def read_file(path, parse, what):
         if path.is_symlink():  # a Hugging Face cache whose blob was deleted
             raise UserError(f"{path} is a broken link to {os.readlink(path)}: download it again")
         raise UserError(f"{path.parent} lacks {path.name}") from None
-    except NotADirectoryError:
-        raise UserError(f"{path.parent} is a file, not a folder (a model is a folder)") from None
     except OSError as e:
         raise UserError(f"{path} cannot be read: {(e.strerror or str(e)).lower()}") from None
     try:
@@ -792,23 +795,18 @@ def read_configs(model_dir):
             "qwen35": qwen35_config(cfg, path)}
 
 def weight_files(folder):
-    """{file: the tensors to read from it, None for all}: what model.safetensors.index.json names,
-    else model.safetensors. No other *.safetensors: an older download left there would mix in."""
-    index = folder / "model.safetensors.index.json"
+    """{file: its tensors, None for all}: as model.safetensors.index.json names them, else
+    model.safetensors. No other *.safetensors: an older download left there would mix in."""
+    index, files = folder / "model.safetensors.index.json", {}
     if not index.exists():
         return {folder / "model.safetensors": None}
-    weight_map = read_file(index, parse_json, "valid JSON")
-    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise UserError(f"{index} must hold a weight_map {{tensor name: file}}")
-    files = {}
-    for name, file in weight_map.items():
+    for name, file in read_file(index, parse_json, "valid JSON")["weight_map"].items():
         files.setdefault(folder / file, []).append(name)
     return files
 
 def read_weights(model_dir, cfg, dtype):
-    """The checkpoint's files -> W: the tensors the model uses, each of the shape config.json
-    predicts and finite in dtype (or in their own), read from disk now."""
+    """The files -> the tensors the model uses, of the shapes config.json predicts, finite in dtype
+    (or their own), read from disk now."""
     folder, weights, source = Path(model_dir), {}, {}
     for file, names in weight_files(folder).items():
         tensors = read_file(file, mx.load, "a complete safetensors file")  # lazy: read on use
@@ -892,11 +890,8 @@ def qwen35_config(cfg, path):
     return {**{name: cfg[name] for name in QWEN35_CONFIG}, "mtp": mtp}
 
 def qwen35_weights(weights):
-    """Hugging Face's checkpoint (its convolution (C, 1, K)) stores its norms (five kinds, and
-    three of the MTP head's own) as offsets from 1,
-    not the DeltaNet's: they become gains, 1 added in the stored dtype, before any --dtype, as
-    mlx-lm does (transformers adds it in float32: on bfloat16 weights the two differ by one
-    rounding of each gain, a few 1e-2 in the logits). mlx-lm's conversions (C, K, 1) hold gains."""
+    """Hugging Face's Qwen3.5 (convolution (C, 1, K)) stores its norms, but the DeltaNet's, as
+    offsets from 1: 1 is added in the stored dtype, as mlx-lm does. mlx-lm's own hold gains."""
     hf = any(name.endswith("conv1d.weight") and w.shape[1] == 1 for name, w in weights.items())
     offsets = ("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight",
                "mtp.norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
@@ -908,17 +903,15 @@ def qwen35_weights(weights):
     return weights
 
 def mtp_shapes(cfg, layer):
-    """The MTP head's 15 tensors -> their shapes: fc (D, 2D), its two input norms, one layer of
-    Qwen3.5's full attention (mtp.layers.0.*), and its final norm."""
+    """The MTP head's 15 tensors -> their shapes: fc, 3 norms, a full-attention layer."""
     d, full = cfg["hidden_size"], cfg["qwen35"]["layer_types"].index("full_attention")
-    own = {name: shape for name, shape in qwen35_shapes(cfg, full, layer).items()}
+    own = qwen35_shapes(cfg, full, layer)
     return {"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,),
             "mtp.pre_fc_norm_hidden.weight": (d,), "mtp.norm.weight": (d,),
             **{f"mtp.layers.0.{name}": shape for name, shape in own.items()}}
 
 def qwen35_shapes(cfg, i, layer):
-    """Layer i's tensors -> their shapes, from a Qwen3 layer's: norms and mlp the same; Step 5's
-    attention with q_proj twice as tall (q and a gate), or the DeltaNet's."""
+    """Layer i's tensors -> shapes: a Qwen3 layer's with q_proj twice as tall, or DeltaNet's."""
     d, c = cfg["hidden_size"], cfg["qwen35"]
     if c["layer_types"][i] == "full_attention":
         q = layer["self_attn.q_proj.weight"][0]
@@ -947,136 +940,86 @@ def dtype_name(dtype):
     return str(dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
 
 
+# ─── Download: a folder, or the Hugging Face Hub ───
+
 def model_folder(model):
-    """--model -> the folder to load. A local folder as it is (load_checked() names what it lacks);
-    the default folder while it lacks a file, and a repo id not whole in the Hugging Face cache,
-    are downloaded first. A second run asks nothing of the Hub."""
+    """--model -> its folder; the default folder, or a plain owner/name repo id not whole in the
+    Hugging Face cache, downloaded first (a second run asks the Hub nothing)."""
     path = Path(model).resolve()
     if path.is_file():
         raise UserError(f"{path} is a file, not a folder (a model is a folder)")
-    if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # a folder, not a repo id
-        if path != HERE / "Qwen3-0.6B" or all((path / name).exists() for name in FILES):
-            return path
-        return download(REPO, path, FILES)
+    if path == HERE / "Qwen3-0.6B" and not complete(path):  # the article's folder
+        return download(REPO, path)
+    if path.exists():
+        return path
+    if not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", model):  # ./x, ../x, a/b/c, x: paths
+        raise UserError(f"{path} does not exist (--model takes a folder, or a Hugging Face repo "
+                        f"id such as {REPO})")
     return cached_folder(model) or download(model, None)
 
+def complete(folder):  # does it hold what load_checked() reads? (generation_config.json: optional)
+    needed = [folder / "config.json", folder / "tokenizer.json", *weight_files(folder)]
+    return all(file.exists() for file in needed)
+
 def cached_folder(repo):
-    """A repo id's folder in the Hugging Face cache if it holds what load_checked() reads, however
-    it came there (this script, or the hand command); else None. Asks the Hub nothing."""
+    """A repo id's folder in the Hugging Face cache, if complete there; else None. Asks nothing."""
     from huggingface_hub import try_to_load_from_cache
     config = try_to_load_from_cache(repo, "config.json")  # its path, or a mark that it is not
-    if not isinstance(config, str):
-        return None
-    folder = Path(config).parent
-    needed = [folder / "tokenizer.json", *weight_files(folder)]
-    return folder if all(file.exists() for file in needed) else None
+    folder = Path(config).parent if isinstance(config, str) else None
+    return folder if folder and complete(folder) else None
 
-def download(repo, local_dir, names=None):
-    """Fetch what is missing of repo's files into local_dir (None: the Hugging Face cache): names,
-    else its configs, template and the weights its index names; one at a time, each shown by
-    Progress, then all verified against the Hub's checksums. -> the folder"""
-    from huggingface_hub import HfApi, logging
-    logging.set_verbosity_error()  # its warnings and retries: our lines say what happened
+def download(repo, local_dir):
+    """Fetch what local_dir (None: the Hugging Face cache) lacks of repo's configs, tokenizer and
+    weights, each file announced first; check them against the Hub's checksums. -> the folder"""
+    from huggingface_hub import HfApi, constants, hf_hub_download, logging
+    logging.set_verbosity_warning()  # its retries show, a line each
     warnings.filterwarnings("ignore", module="huggingface_hub")  # "not enough free disk space"
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: huggingface_hub tidies up
-    api, name, fetched = HfApi(), "the file list", {}
+    api, name, fetched, into = HfApi(), "the file list", {}, local_dir or constants.HF_HUB_CACHE
     try:
-        names = list(names or files_to_fetch(api, repo))
-        for name in names:
+        sizes = files_to_fetch(api, repo, local_dir)
+        for name, size in sizes.items():
             path = present(repo, name, local_dir)
             if path is None:
-                path = fetched[name] = fetch(repo, name, local_dir)
-            if name == "model.safetensors.index.json":  # a repo id's shards, as it names them
-                names += [file.name for file in weight_files(path.parent)]
+                print(f"{name}: {tqdm.format_sizeof(size)}B from {constants.ENDPOINT}/{repo} "
+                      f"into {into}", file=sys.stderr, flush=True)
+                path = fetched[name] = Path(hf_hub_download(repo, name, local_dir=local_dir))
         name = "the checksums"
         if fetched:
             verify(api, repo, local_dir, fetched)
     except KeyboardInterrupt:
-        got = human(PROGRESS[name].received) if name in PROGRESS else "none"
-        raise UserError(f"the download was interrupted during {name} ({got} of it fetched, "
-                        f"not kept); run the same command again: it fetches {name} again from the "
-                        "start and keeps the files already complete", 130) from None
+        raise UserError(f"the download was interrupted during {name}; run the same command "
+                        "again: it keeps the files already complete and fetches the rest (a file "
+                        "begun, from its start)", 130) from None
     except Exception as e:  # the Hub's, the network's or the disk's, else a bug: its traceback
-        why = download_trouble(e, name, local_dir)
+        why = download_trouble(e, local_dir or constants.HF_HUB_CACHE)
         if why is None:
             raise
         raise UserError(f"could not download {name} of {repo}: {why}. To fetch it by hand, run "
-                        f"this, then the same command again: {hand_command(repo, local_dir, names)}"
+                        f"this, then the same command again: {hand_command(repo, local_dir)}"
                         ) from None
     finally:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-    for name, file in fetched.items():  # complete and verified
-        print(f"{name}: {human(file.stat().st_size)} downloaded", file=sys.stderr)
     return path.parent
+
+def files_to_fetch(api, repo, local_dir):
+    """The repo's top-level configs, template and safetensors weights (the default folder: FILES
+    of them) -> {name: size}"""
+    files = {f.path: f.size for f in api.list_repo_tree(repo) if hasattr(f, "size")}
+    if not any(name.endswith(".safetensors") for name in files):
+        raise UserError(f"{repo} has no model.safetensors: this script runs safetensors "
+                        f"checkpoints (the repo holds {', '.join(list(files)[:7])})")
+    wanted = r"[^/]+\.(json|jinja|safetensors)"
+    return {name: size for name, size in files.items() if re.fullmatch(wanted, name)
+            and (local_dir is None or name in FILES)}
 
 def present(repo, name, local_dir):  # a file there from an earlier run -> its path, else None
     from huggingface_hub import try_to_load_from_cache
-    if local_dir is not None:
-        return local_dir / name if (local_dir / name).exists() else None
-    path = try_to_load_from_cache(repo, name)  # its path, or a mark that it is not there
-    return Path(path) if isinstance(path, str) else None
-
-def files_to_fetch(api, repo):
-    """A repo id's top-level configs and chat template, and its safetensors weights (the index,
-    whose shards are added once it is here, or the one file) -> their names."""
-    files = api.list_repo_files(repo)
-    names = [name for name in files if re.fullmatch(r"[^/]+\.(json|jinja)", name)]
-    if "model.safetensors.index.json" in names:
-        return names
-    if "model.safetensors" not in files:
-        shown = ", ".join(files) if len(files) < 8 else ", ".join(files[:7]) + ", ..."
-        raise UserError(f"{repo} has no model.safetensors: this script runs safetensors "
-                        f"checkpoints (the repo holds {shown})")
-    return names + ["model.safetensors"]
-
-PROGRESS = {}  # file name -> its Progress class, while this run fetches it
-
-def progress_of(name):
-    """The tqdm_class that shows one file (huggingface_hub makes one bar per try of the file)."""
-    return PROGRESS.setdefault(name, type("Progress", (Progress,), {"file": name, "received": 0}))
-
-TRIES = 3  # a file whose connection is reset mid-way is fetched this many times at most
-
-def fetch(repo, name, local_dir, tries=TRIES):
-    """One file, shown by its Progress; a connection reset mid-file is tried again from the
-    start (huggingface_hub resumes a closed or stalled one itself), up to tries times -> its path"""
-    from huggingface_hub import hf_hub_download
-    for attempt in range(1, tries + 1):
-        try:
-            return Path(hf_hub_download(repo, name, local_dir=local_dir,
-                                        tqdm_class=progress_of(name)))
-        except Exception as e:  # re-raised unless a reset with tries left
-            if attempt == tries or not any(isinstance(c, ConnectionResetError) for c in causes(e)):
-                raise
-            print(f"{name}: the connection was reset after {human(progress_of(name).received)} of "
-                  f"{human(progress_of(name).total)}; trying again ({attempt + 1} of {tries})",
-                  file=sys.stderr)
-
-class Progress(tqdm):
-    """huggingface_hub's tqdm_class for one file (progress_of() names it): at a terminal, one line
-    redrawn in place (bytes so far / total, speed, time left), cleared when the try ends;
-    download() says what became of the file. received: the bytes of its latest try."""
-    file, received, total = "", 0, 0
-
-    def __init__(self, *args, **kwargs):
-        kwargs.pop("name", None)  # some huggingface_hub versions name their logger to tqdm
-        columns, lines = shutil.get_terminal_size()  # (80, 24) where a terminal has no size
-        kwargs.update(desc=self.file, position=None, leave=False, file=sys.stderr, ncols=columns,
-                      nrows=lines, disable=not sys.stderr.isatty(),
-                      bar_format="{desc}: {n_fmt}B / {total_fmt}B, {rate_fmt}, {remaining} left")
-        super().__init__(*args, **kwargs)
-        type(self).received, type(self).total = kwargs.get("initial", 0), kwargs.get("total", 0)
-
-    def update(self, n=1):  # counted even where the line is not shown
-        type(self).received += n
-        return super().update(n)
-
-def human(size):  # bytes, as the display writes them: 31.4MB (huggingface_hub counts 10 MB
-    return tqdm.format_sizeof(size) + "B" if size else "0B"  # at a time: less reads as 0B)
+    path = local_dir / name if local_dir else try_to_load_from_cache(repo, name)  # or a mark
+    return Path(path) if isinstance(path, (str, Path)) and Path(path).exists() else None
 
 def verify(api, repo, local_dir, fetched):
-    """The files fetched now against the Hub's checksums (HfApi.verify_repo_checksums: SHA-256 of
-    a large file, git's SHA-1 of a small one). A mismatch: the file is removed, UserError."""
+    """The files fetched now against the Hub's checksums; a mismatch removes the file: UserError."""
     result = api.verify_repo_checksums(repo, local_dir=local_dir)
     for bad in [m for m in result.mismatches if m["path"] in fetched]:
         path = fetched[bad["path"]]
@@ -1091,9 +1034,8 @@ def causes(error):  # an exception and what it was raised from, or while handlin
         yield error
         error = error.__cause__ or error.__context__
 
-def download_trouble(error, name, local_dir):
-    """What stopped a download, in a few words: the Hub's answer, the network, the disk. None:
-    none of these (a bug)."""
+def download_trouble(error, into):
+    """What stopped a download, in a few words (None: none of these, a bug)."""
     from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
     for e in causes(error):
@@ -1101,24 +1043,25 @@ def download_trouble(error, name, local_dir):
             return f"the Hub answered {e.response.status_code} {e.response.reason_phrase}"
         if isinstance(e, OfflineModeIsEnabled):
             return "offline: HF_HUB_OFFLINE is set"
-        if isinstance(e, ConnectionResetError):
-            return (f"the connection was reset after {human(progress_of(name).received)}, "
-                    f"{TRIES} times")
+        if isinstance(e, ConnectionResetError) or type(e).__name__ == "RemoteProtocolError":
+            return "the connection broke before the file was whole"
         if isinstance(e, (ConnectionError, socket.gaierror)):  # refused, no route, no such host
-            return f"{constants.ENDPOINT} could not be reached"
+            return f"the Hub could not be reached at {constants.ENDPOINT}"
         if isinstance(e, TimeoutError):
             return "the Hub stopped answering (timed out)"
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return f"the disk is full where it goes ({local_dir or constants.HF_HUB_CACHE})"
+            return f"the disk is full where it goes ({into})"
         if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS,
                                                   errno.ENOTDIR, errno.EEXIST):
             return f"{e.filename} cannot be written: {e.strerror.lower()}"
     return None
 
-def hand_command(repo, local_dir, names):  # what download() does, as a shell command
+def hand_command(repo, local_dir):  # what download() does, as a shell command
     if local_dir is not None:
-        return f"hf download {repo} {' '.join(names)} --local-dir {shlex.quote(str(local_dir))}"
+        return f"hf download {repo} {' '.join(FILES)} --local-dir {shlex.quote(str(local_dir))}"
     return f'hf download {repo} --include "*.json" --include "*.jinja" --include "*.safetensors"'
+
+# ─── Chat and --explain: the text as it comes, the template, the steps inside ───
 
 def stream_text(token_ids):
     """Yield (id, the text it adds). A character split over two tokens (emoji, CJK) comes whole."""
@@ -1148,8 +1091,7 @@ def chat_prompt_ids(turns, args):
     return tokenize(chat_prompt(turns, args.system, not args.no_think))
 
 def reusable(cached_ids, prompt_ids):
-    """How many cached positions a new prompt keeps: the ids' common prefix, leaving at least the
-    prompt's last token to compute (its logits give the reply's first token)."""
+    """Cached positions a new prompt keeps: the common prefix, short of the prompt's last token."""
     return len(os.path.commonprefix([cached_ids, prompt_ids[:-1]]))  # element by element
 
 def cache_bytes(cache, positions=None, kind="full_attention"):
@@ -1173,8 +1115,7 @@ def top_tokens(logits, k, where="the prompt"):
     return [(t, probs[t].item()) for t in top]
 
 def logit_lens(hidden):
-    """hidden: x after each block, (1, D) each -> [(id, p)] of the likeliest next token had the
-    model stopped there: through lm_head(), its final norm too (else early blocks read as noise)."""
+    """hidden: x after each block -> [(id, p)], the likeliest token had the model stopped there."""
     return [top_tokens(lm_head(x)[-1], 1, f"block {i}")[0] for i, x in enumerate(hidden, 1)]
 
 def bar_row(label, token, p):  # a row of a probability table: 30 blocks for p = 1
@@ -1188,10 +1129,11 @@ def explain(prompt_ids, hidden):
     for i, (token, p) in enumerate(logit_lens(hidden), 1):
         print(bar_row(f"block {i}", token, p))
 
-def reply(prompt_ids, args, cache, start=0, echo="", keep=None):
+def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
     """One completion: --explain and --show-probs, then the text as it comes (after echo) and the
-    statistics -> the new ids. The prompt goes into the cache once; generate() continues from it.
-    keep: (position, list): the list is given the cache as it is at that position of the prompt."""
+    statistics (--quiet: the text alone) -> generated, the new ids, each added as it is printed.
+    The prompt goes into the cache once; generate() continues from it. keep: (position, list):
+    the list is given the cache as it is at that position of the prompt."""
     held = start + len(prompt_ids)
     if held >= MAX_POS:
         raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
@@ -1220,8 +1162,8 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None):
             print(bar_row("", token, p))
     if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
         raise not_finite("after the prompt", logits.dtype)
-    print("=" * 10 + "\n" + echo, end="", flush=True)
-    generated, first = [], None
+    print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
+    generated, first = [] if generated is None else generated, None
     if args.draft:
         tokens = generate_draft(prompt_ids, args.max_tokens, sampler_of(args), args.draft,
                                 args.num_draft_tokens, cache, start, states, counts)
@@ -1231,6 +1173,9 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None):
         first = first or time.perf_counter()  # the first token ends the prefill
         generated.append(token)
         print(piece, end="", flush=True)
+    if args.quiet:
+        print(flush=True)
+        return generated
     print_stats(len(prompt_ids), len(generated), tic, first or time.perf_counter(), cache, held)
     if args.draft:  # after mlx-lm's lines: what drafting did
         by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
@@ -1240,8 +1185,7 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None):
     return generated
 
 def print_stats(n_prompt, n, tic, first, cache, held):
-    """The lines mlx_lm.generate prints (the prompt's speed: up to the first token), then the
-    KV cache's: the positions it holds and their bytes (of the bytes its buffers hold)."""
+    """mlx_lm.generate's lines (the prompt's rate: to the first token), then the KV cache's."""
     end = time.perf_counter()
     print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (first - tic):.3f} tokens-per-sec")
     print(f"Generation: {n} tokens, {max(n - 1, 0) / max(end - first, 1e-9):.3f} tokens-per-sec")
@@ -1296,15 +1240,19 @@ def reply_batch(texts, args):
 
 def converse(args):
     """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:
-    each turn computes only what its prompt does not share with what the cache holds."""
+    each turn computes only what its prompt does not share with what the cache holds. At a
+    terminal: line editing and history (readline), the answers alone unless --verbose, and Ctrl-C
+    stops an answer, keeping the conversation (that answer as far as it came) and its cache."""
     at_terminal = sys.stdin.isatty()
-    if at_terminal:  # a person types: say how to end, and prompt as mlx_lm.chat does
-        print("Type a message and press Enter; an empty line or Ctrl-D ends the chat.",
-              file=sys.stderr)
+    if at_terminal:  # a person types: say how to end; answers as quiet as mlx_lm.chat's
+        import readline  # noqa: F401 (input() edits the line and keeps a history with it)
+        print("Type a message and press Enter; an empty line or Ctrl-D ends the chat; Ctrl-C "
+              "stops an answer.", file=sys.stderr)
+        args.quiet = args.quiet or not args.verbose
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     turns, cache, cached_ids, saved, mark = [], [None] * N_LAYERS, [], None, 0
     while True:
-        print(">> " if at_terminal else "", end="", flush=True)
-        line = as_text(sys.stdin.buffer.readline()).rstrip("\r\n")
+        line = read_line(at_terminal)
         if not line:  # an empty line, or the end of the input
             return
         turns.append(line)
@@ -1313,24 +1261,41 @@ def converse(args):
         if QWEN35 and reused < len(cached_ids):  # a DeltaNet's state cannot be cut back: go on
             reused = mark if saved and mark <= reused else 0  # from the one kept at the mark
             cache[:] = saved if reused else [None] * N_LAYERS
-        print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
+        if not args.quiet:
+            print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
         # The next turn's prompt renders this answer without its thinking, so it parts from this
         # one right after "<|im_start|>assistant\n": Qwen3.5's cache is kept as it is there.
         mark = len(prompt_ids) - len(tokenize(chat_prompt([""], None, not args.no_think)
                                               .split("<|im_start|>assistant\n")[-1]))
-        saved = [] if QWEN35 and mark > reused else None
-        generated = reply(prompt_ids[reused:], args, cache, reused,
-                          keep=None if saved is None else (mark, saved))
+        saved, generated = [] if QWEN35 and mark > reused else None, []
+        try:
+            reply(prompt_ids[reused:], args, cache, reused,
+                  keep=None if saved is None else (mark, saved), generated=generated)
+            cached_ids = prompt_ids + generated  # what generate() leaves in the cache
+        except KeyboardInterrupt:  # Ctrl-C: the answer stops; the cache may hold a token more
+            print(flush=True)      # than was printed (Step 9), so it is trusted as far as sure,
+            sure = prompt_ids + generated[:-1] if generated else prompt_ids[:reused]
+            cached_ids = sure + [-1]  # and -1 (no id) sends a DeltaNet state back to the mark
         turns.append(TOK.decode(generated))
-        cached_ids = prompt_ids + generated  # what generate() leaves in the cache
+
+def read_line(at_terminal):
+    """The next line of the chat: typed at the ">> " prompt, or read from a pipe; "" at the end."""
+    if not at_terminal:
+        return as_text(sys.stdin.buffer.readline()).rstrip("\r\n")
+    try:
+        return input(">> ")
+    except EOFError:  # Ctrl-D
+        print()
+        return ""
+
+# ─── The command line: flags, prompts, main() ───
 
 def as_text(data, source="standard input"):
     """Bytes (standard input, or a flag given as bytes) -> text; not UTF-8: a UserError."""
     try:
         return data.decode()
     except UnicodeDecodeError as e:
-        where = f"{e.reason} at byte {e.start}"
-        raise UserError(f"{source} is not UTF-8 text ({where})") from None
+        raise UserError(f"{source} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 class Flags(argparse.ArgumentParser):
     def error(self, message):  # argparse's own: its usage, then exit 2; ours: one line
@@ -1338,27 +1303,30 @@ class Flags(argparse.ArgumentParser):
 
 def parse_args(argv):
     """The flags, named as in mlx_lm.generate; every value is checked before any work."""
-    ap = Flags(description="Qwen3 text generation from scratch with MLX.")
-    ap.add_argument("--model", default=str(HERE / "Qwen3-0.6B"), help="folder or Hugging Face repo")
-    ap.add_argument("--prompt", "-p", action="append",
-                    help='default: "The capital of France is"; "-" reads stdin; again: a batch')
-    ap.add_argument("--prompts", metavar="FILE", help="one prompt a line, decoded as a batch")
-    ap.add_argument("--batch-size", type=int, default=8, metavar="N", help="most rows at once")
-    ap.add_argument("--draft", choices=["mtp", "lookup"], help="draft ahead: Qwen3.5's MTP head, "
-                    "or prompt lookup")
-    ap.add_argument("--num-draft-tokens", type=int, metavar="K", help="mtp: 1; lookup: 3")
-    ap.add_argument("--max-tokens", "-m", type=int, default=100)
-    ap.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0, help="sample from this much probability")
-    ap.add_argument("--top-k", type=int, default=0, help="sample from the K likeliest (0: all)")
-    ap.add_argument("--min-p", type=float, default=0.0, help="none under this x the likeliest's")
-    ap.add_argument("--seed", type=int, help="makes sampling reproducible")
-    ap.add_argument("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next")
-    ap.add_argument("--explain", action="store_true", help="the steps inside (chat: each turn's)")
-    ap.add_argument("--chat", action="store_true", help="chat template; without --prompt: a chat")
-    ap.add_argument("--system", help="system message, with --chat")
-    ap.add_argument("--no-think", action="store_true", help="switch thinking off, with --chat")
-    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: weights'")
+    ap = Flags(description="Qwen3 text generation from scratch with MLX.",
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = ap.add_argument
+    add("--model", default=str(HERE / "Qwen3-0.6B"), help="a folder, or a Hugging Face repo id")
+    add("--prompt", "-p", action="append", help='"-" reads stdin; given again: a batch '
+        '(none: "The capital of France is")')
+    add("--prompts", metavar="FILE", help="one prompt a line, decoded as a batch")
+    add("--batch-size", type=int, default=8, metavar="N", help="most rows decoded at once")
+    add("--max-tokens", "-m", type=int, default=100, help="most tokens generated")
+    add("--temperature", "--temp", type=float, default=0.0, help="0: greedy")
+    add("--top-p", type=float, default=1.0, help="sample from this much probability")
+    add("--top-k", type=int, default=0, help="sample from the K likeliest (0: all)")
+    add("--min-p", type=float, default=0.0, help="none under this x the likeliest's")
+    add("--seed", type=int, help="makes sampling reproducible")
+    add("--draft", choices=["mtp", "lookup"], help="draft with Qwen3.5's MTP head, or by lookup")
+    add("--num-draft-tokens", type=int, metavar="K", help="drafted at a time (mtp: 1, lookup: 3)")
+    add("--chat", action="store_true", help="chat template; without --prompt: a chat")
+    add("--system", help="system message, with --chat")
+    add("--no-think", action="store_true", help="switch thinking off, with --chat")
+    add("--dtype", choices=["bfloat16", "float16", "float32"], help="none: the weights' own")
+    add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
+    add("--explain", action="store_true", help="the steps inside (chat: each turn's)")
+    add("--quiet", "-q", action="store_true", help="print the completion only")
+    add("--verbose", action="store_true", help="a chat at a terminal: each answer's statistics")
     args = ap.parse_args(argv)
     checks = [(args.max_tokens < 1, "--max-tokens must be at least 1"),
               (not args.temperature >= 0, "--temperature must be 0 or more"),
@@ -1375,6 +1343,7 @@ def parse_args(argv):
                "--draft mtp drafts 1 token at a time (its head predicts one ahead)"),
               (args.system is not None and not args.chat, "--system needs --chat"),
               (args.no_think and not args.chat, "--no-think needs --chat"),
+              (args.quiet and args.verbose, "--quiet and --verbose ask for opposites"),
               (args.seed is not None and not 0 <= args.seed < 2**64,
                "--seed must be from 0 to 2**64 - 1")]
     for wrong, message in checks:
@@ -1385,8 +1354,7 @@ def parse_args(argv):
     return args
 
 def read_prompts(args):
-    """The prompts: each --prompt's text (standard input's, for "-"), then --prompts FILE's lines;
-    [None] for none. Checked, the standard streams first."""
+    """Each --prompt's text ("-": stdin's), then --prompts FILE's lines, checked; [None]: none."""
     texts = args.prompt or []
     if sys.stdout is None:  # started with it closed (>&-): print() would drop the text silently
         raise UserError("standard output is closed: there is nowhere to print the text")
@@ -1411,6 +1379,21 @@ def read_prompts(args):
         raise UserError("--draft decodes one prompt at a time: give one (see --help)")
     return texts or [None]
 
+def summary(folder, cfg):
+    """The model's line: what runs, its layers, heads and size, the dtype it computes in."""
+    weights, quant = {id(w): w for w in W.values()}.values(), cfg["quantization"]  # tied: once
+    size = f"{sum(w.size for w in weights) / 1e9:.2f}B parameters"
+    if quant:  # packed words: the format and the bytes, not the count
+        size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
+                f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
+    name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
+    if QWEN35:  # and what of it is not run
+        head = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
+        name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {head})"
+        layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
+    return (f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
+            f"{size}, {dtype_name(W['model.norm.weight'].dtype)}")
+
 def main(argv=None):
     args = parse_args(argv)
     texts = read_prompts(args)
@@ -1422,31 +1405,22 @@ def main(argv=None):
         if args.chat and len(tokenize(tag)) != 1:  # a base model's tokenizer spells them out
             raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
                             "the chat tokens of Qwen3's instruct models")
-    weights = {id(w): w for w in W.values()}.values()  # a tied head once
-    size = f"{sum(w.size for w in weights) / 1e9:.2f}B parameters"
-    if cfg["quantization"]:  # packed words: the format and the bytes, not the count
-        quant = cfg["quantization"]
-        size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
-                f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
-    name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
     if args.draft == "mtp" and "mtp.fc.weight" not in W:
         raise UserError(f"{folder} has no MTP head (mtp.* tensors): --draft mtp needs Qwen3.5's "
                         "own; --draft lookup drafts with any model")
-    if QWEN35:  # and what of it is not run
-        head = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
-        name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {head})"
-        layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
-    print(f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
-          f"{size}, {dtype_name(W['model.norm.weight'].dtype)}")
+    text, ids = texts[0] or "The capital of France is", None
+    if len(texts) == 1 and (texts[0] or not args.chat):  # one prompt: checked before any output
+        ids = chat_prompt_ids(texts, args) if args.chat else tokenize(text)
+        if len(ids) >= MAX_POS:
+            raise UserError(f"the prompt is {len(ids)} tokens; the context holds {MAX_POS}")
+    if not args.quiet:
+        print(summary(folder, cfg))
     if len(texts) > 1:
         reply_batch(texts, args)
-    elif args.chat and texts[0] is None:
+    elif ids is None:
         converse(args)
-    elif args.chat:
-        reply(chat_prompt_ids(texts, args), args, [None] * N_LAYERS)
     else:
-        reply(tokenize(texts[0] or "The capital of France is"), args, [None] * N_LAYERS,
-              echo=texts[0] or "The capital of France is")
+        reply(ids, args, [None] * N_LAYERS, echo="" if args.chat else text)
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130
@@ -1456,6 +1430,9 @@ if __name__ == "__main__":
     except UserError as e:  # the user's flags, files or numbers: one line; a bug, its traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.status)
+    except KeyboardInterrupt:  # a chat at a terminal, Ctrl-C but in an answer: it ends, as a
+        print(file=sys.stderr)  # shell's command ends
+        sys.exit(130)
     except FloatingPointError as e:  # not_finite()'s: the logits overflowed the dtype
         print(f"error: {e} (--dtype float32)", file=sys.stderr)
         sys.exit(1)

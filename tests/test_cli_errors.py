@@ -48,7 +48,7 @@ def broken(checkpoint, tmp_path):
 
 def test_missing_folder(tmp_path):
     r = run_cli("--model", str(tmp_path / "nowhere"))
-    assert_error(r, f"{tmp_path / 'nowhere'} lacks config.json")
+    assert_error(r, f"{tmp_path / 'nowhere'} does not exist")
 
 
 @pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors"])
@@ -121,6 +121,8 @@ def test_tensor_missing_or_wrong_shape(broken):
     (["--top-p", "0"], "--top-p must be more than 0 and at most 1"),
     (["--top-p", "1.5"], "--top-p must be more than 0 and at most 1"),
     (["--top-k", "-1"], "--top-k must be 0 or more"),
+    (["--min-p", "1.5"], "--min-p must be from 0 to 1"),
+    (["--top-x", "5"], "unrecognized arguments: --top-x 5"),
     (["--show-probs", "-1"], "--show-probs must be 0 or more"),
     (["--seed", "-1"], "--seed must be from 0 to 2**64 - 1"),
     (["--seed", str(2**64)], "--seed must be from 0 to 2**64 - 1"),

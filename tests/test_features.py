@@ -281,12 +281,14 @@ def test_explain_with_show_probs_k_and_in_a_conversation(checkpoint, tokenizer):
 
 
 # Issue 16: a conversation a person can hold in a terminal.
-HINT = "Type a message and press Enter; an empty line or Ctrl-D ends the chat."
+HINT = ("Type a message and press Enter; an empty line or Ctrl-D ends the chat; Ctrl-C stops an "
+        "answer.")
 
 
 def test_conversation_at_a_terminal_says_what_to_do(checkpoint):
     """Standard input is a terminal (a pseudo-terminal here): one hint on stderr before the
-    first turn, and the ">> " prompt before each turn, the last one ended by Ctrl-D."""
+    first turn, and the ">> " prompt before each turn, the last one ended by Ctrl-D; the answers
+    alone (tests/test_chat.py: --verbose)."""
     import pty
     leader, follower = pty.openpty()
     env = dict(os.environ, PYTHONIOENCODING="utf-8", PYTHONUNBUFFERED="1")
@@ -309,8 +311,7 @@ def test_conversation_at_a_terminal_says_what_to_do(checkpoint):
     out = (seen + out).decode()
     assert p.returncode == 0, err
     assert err.decode().splitlines() == [HINT]
-    assert out.count(">> ") == 3 and out.count("[KV cache: ") == 2  # a prompt before each turn
-    assert out.index(">> ") < out.index("[KV cache: ")
+    assert out.count(">> ") == 3 and "[KV cache: " not in out  # a prompt before each turn
 
 
 def test_conversation_through_a_pipe_has_no_hint_nor_prompt(checkpoint):

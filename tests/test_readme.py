@@ -18,3 +18,22 @@ def test_step_links_land_on_their_banners():
         assert lines[n - 1].startswith(f"# ═══ {label}. "), (label, n, lines[n - 1])
     for label, n in links:
         assert lines[n - 1].startswith("# ═══ "), (label, n, lines[n - 1])  # every link: a banner
+
+
+def test_the_readme_tiny_checkpoint_commands_run_as_written(tmp_path):
+    """The "Try it without the 1.5 GB" commands, run as the README writes them (in a fresh
+    folder, the script and tests/ beside them, as in a clone): a checkpoint, then a run of it."""
+    import shutil
+    import subprocess
+    import sys
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("### Try it without the 1.5 GB")[1].split("```bash\n")[1].split("```")[0]
+    commands = [line for line in block.splitlines() if line.startswith("python ")]
+    assert len(commands) == 2 and "--model tiny" in commands[1]
+    shutil.copy(ROOT / "llm_inference.py", tmp_path)
+    shutil.copytree(ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    for command in commands:
+        r = subprocess.run(command.replace("python ", f"{sys.executable} ", 1), shell=True,
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.startswith(f"Qwen3 from {tmp_path / 'tiny'}: 3 layers") and "block 3" in r.stdout

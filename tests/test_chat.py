@@ -1,0 +1,167 @@
+"""The chat as a person holds it at a terminal (issue 35): line editing and history at the ">> "
+prompt (readline), Ctrl-C stops the answer and returns to the prompt with the conversation and its
+cache consistent, the statistics only with --verbose. Everything through a pseudo-terminal."""
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import llm_inference as li
+from test_cli_errors import ROOT, slow_checkpoint  # noqa: F401 (a fixture)
+
+
+class Terminal:
+    """The CLI with a pseudo-terminal as its standard input and output (readline then edits the
+    line); stderr apart. read_until() waits for text on the screen, type() types."""
+
+    def __init__(self, *args):
+        self.leader, follower = pty.openpty()
+        env = dict(os.environ, PYTHONIOENCODING="utf-8", PYTHONUNBUFFERED="1", TERM="xterm")
+        self.p = subprocess.Popen([sys.executable, str(ROOT / "llm_inference.py"), *args],
+                                  stdin=follower, stdout=follower, stderr=subprocess.PIPE, env=env)
+        os.close(follower)
+        self.seen = b""
+
+    def read_until(self, wanted, count=1, timeout=60):
+        deadline = time.time() + timeout
+        while self.seen.count(wanted) < count:
+            ready = select.select([self.leader], [], [], max(deadline - time.time(), 0))[0]
+            try:
+                chunk = os.read(self.leader, 65536) if ready else b""
+            except OSError:  # the child closed the terminal
+                chunk = b""
+            if not chunk:
+                self.p.kill()
+                pytest.fail(f"never saw {wanted!r} x{count}: {self.seen.decode(errors='replace')}")
+            self.seen += chunk
+
+    def type(self, text):
+        os.write(self.leader, text)
+
+    def close(self):
+        out, err = self.p.communicate(timeout=60)
+        os.close(self.leader)
+        return self.p.returncode, self.seen.decode().replace("\r\n", "\n"), err.decode()
+
+
+def test_line_editing_and_history(checkpoint, tokenizer):
+    """The left arrow moves the cursor (the line sent is "aXb", not "ab^[[DX"); the up arrow
+    brings back the line before. --explain shows each turn's token ids."""
+    folder = checkpoint()
+    t = Terminal("--model", str(folder), "--chat", "-m", "2", "--explain")
+    t.read_until(b">> ")
+    t.type(b"ab\x1b[DX\r")
+    t.read_until(b">> ", 2)
+    t.type(b"\x1b[A\r")  # the same line again
+    t.read_until(b">> ", 3)
+    t.type(b"\x04")
+    code, out, err = t.close()
+    assert code == 0, err
+    li.load(folder)
+    ids = tokenizer.encode(li.chat_prompt(["aXb"])).ids
+    assert "tokens: " + ", ".join(f"{li.shown(i)} {i}" for i in ids) + "\n" in out
+    again = tokenizer.encode(li.chat_prompt(["aXb", tokenizer.decode(list(li.generate(ids, 2))),
+                                             "aXb"])).ids
+    shown = re.findall(r"tokens: (.*)\n", out)[1]  # what turn 2 computes: its prompt past the cache
+    assert ", ".join(f"{li.shown(i)} {i}" for i in again).endswith(shown) and "'X' 55, 'b'" in shown
+
+
+def test_quiet_answers_at_a_terminal_and_verbose(checkpoint):
+    """At a terminal the answers come alone, as in mlx_lm.chat; --verbose adds the statistics."""
+    for flags, stats in [([], 0), (["--verbose"], 2)]:
+        t = Terminal("--model", str(checkpoint()), "--chat", "-m", "3", *flags)
+        for k, line in enumerate([b"Hello there\r", b"And Japan?\r", b"\x04"], 1):
+            t.read_until(b">> ", k)
+            t.type(line)
+        code, out, err = t.close()
+        assert code == 0 and "Traceback" not in err, err
+        assert out.count("Peak memory") == out.count("[KV cache: ") == stats
+        assert "==========" not in out or stats
+
+
+def answer_pieces(ids, most):
+    return [piece for _, piece in li.stream_text(li.generate(ids, max_tokens=most))]
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen35"])
+def test_ctrl_c_stops_the_answer_and_the_next_turn_is_a_fresh_runs(checkpoint, qwen35, tokenizer,
+                                                                  model):
+    """Ctrl-C while the first answer streams: it stops, the prompt comes back, the chat goes on.
+    The cache may hold a token more than was printed (generate() queues the next step before it
+    yields), and Qwen3.5's DeltaNet state cannot be cut back: the next answer must still equal a
+    fresh run (greedy, float32) of the conversation with the first answer as far as it came."""
+    folder = checkpoint() if model == "qwen3" else qwen35(tied=False)
+    li.load(folder)
+    for line in ["Hello there", "Once upon a time", "def f(x):", "Emoji 😀", "numbers 0123"]:
+        ids1 = tokenizer.encode(li.chat_prompt([line])).ids
+        full = list(li.generate(ids1, max_tokens=1500))
+        if len(full) >= 300:  # long enough to be stopped on the way
+            break
+    else:
+        pytest.fail("no line has a long answer")
+    pieces = answer_pieces(ids1, 1500)
+    t = Terminal("--model", str(folder), "--chat", "-m", "1500", "--verbose")
+    t.read_until(b">> ")
+    t.type(line.encode() + b"\r")
+    t.read_until(b"==========\r\n")
+    time.sleep(0.3)  # part of the answer is on the screen
+    t.p.send_signal(signal.SIGINT)
+    t.read_until(b">> ", 2)
+    t.type(b"And Japan?\r")
+    t.read_until(b"Peak memory")
+    t.read_until(b">> ", 3)
+    t.type(b"\x04")
+    code, out, err = t.close()
+    assert code == 0 and "Traceback" not in err, err
+    first, rest = out.split("==========\n", 1)[1].split("\n>> ", 1)
+    assert "Peak memory" not in first and "Peak memory" in rest  # the first answer stopped
+    second = rest.split("==========\n", 1)[1].split("\n==========")[0]
+    cuts = [k for k in range(1, len(full)) if "".join(pieces[:k]) == first]
+    assert cuts and len(full) > cuts[-1], "interrupted after the whole answer"
+    expected = [answer_pieces(tokenizer.encode(li.chat_prompt(
+        [line, tokenizer.decode(full[:k]), "And Japan?"])).ids, 1500) for k in cuts]
+    assert second in ["".join(p) for p in expected]
+
+
+def test_ctrl_c_during_a_turns_prefill(slow_checkpoint, tokenizer):
+    """Ctrl-C while a long line is prefilled (seconds): no answer, the prompt comes back, and the
+    next answer equals a fresh run of the conversation (that turn's answer empty): the cache is
+    trusted only as far as it was before the interrupted prefill."""
+    long = "The capital of France is Paris. " * 40  # ~400 tokens
+    t = Terminal("--model", str(slow_checkpoint), "--chat", "-m", "5", "--verbose")
+    t.read_until(b">> ")
+    t.type(long.encode() + b"\r")
+    t.read_until(b"[KV cache: ")
+    time.sleep(0.5)
+    t.p.send_signal(signal.SIGINT)
+    t.read_until(b">> ", 2)
+    t.type(b"And Japan?\r")
+    t.read_until(b"Peak memory")
+    t.read_until(b">> ", 3)
+    t.type(b"\x04")
+    code, out, err = t.close()
+    assert code == 0 and "Traceback" not in err, err
+    first, second = out.split("[KV cache: ")[1:]
+    assert "==========" not in first  # stopped inside the prefill
+    li.load(slow_checkpoint)
+    ids = tokenizer.encode(li.chat_prompt([long, "", "And Japan?"])).ids
+    assert second.split("==========\n")[1] == "".join(answer_pieces(ids, 5)) + "\n"
+
+
+def test_ctrl_c_at_the_prompt_ends_the_chat(checkpoint):
+    """At the ">> " prompt (no answer to stop) Ctrl-C ends the chat, as it ends a shell command:
+    exit status 130, no traceback."""
+    t = Terminal("--model", str(checkpoint()), "--chat", "-m", "3")
+    t.read_until(b">> ")
+    t.type(b"Hello there\r")
+    t.read_until(b">> ", 2)
+    time.sleep(0.3)
+    t.p.send_signal(signal.SIGINT)
+    code, out, err = t.close()
+    assert code == 130 and "Traceback" not in err, err

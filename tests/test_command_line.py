@@ -1,0 +1,88 @@
+"""The command line (issue 35): --help shows every default, --quiet prints the completion alone,
+every error comes before any output, and the statistics lines time what mlx_lm.generate times."""
+import argparse
+import re
+import time
+
+import llm_inference as li
+from test_cli_errors import assert_error, run_cli
+
+
+def test_help_shows_every_flag_with_its_default(checkpoint):
+    r = run_cli("--help")
+    assert r.returncode == 0 and r.stderr == ""
+    flags = re.findall(r"^  (--[\w-]+)", r.stdout, re.M)
+    assert len(flags) == 20 and "--top-k" in flags and "--quiet" in flags
+    text = " ".join(r.stdout.split())  # argparse wraps the help text
+    options = text.split("options: ")[1]
+    for flag, default in [("--max-tokens", "100"), ("--temperature", "0.0"), ("--top-p", "1.0"),
+                          ("--top-k", "0"), ("--min-p", "0.0"), ("--batch-size", "8")]:
+        after = options[options.index(f" {flag} "):]  # the flag's help, then its default
+        assert re.search(r"\(default: ([^)]*)\)", after).group(1) == default, flag
+    assert text.count("(default: ") == 20
+
+
+def test_quiet_prints_the_completion_only(checkpoint):
+    loud = run_cli("--model", str(checkpoint()), "-m", "5", "--prompt", "Once upon a time")
+    quiet = run_cli("--model", str(checkpoint()), "-m", "5", "--prompt", "Once upon a time", "-q")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    completion = loud.stdout.split("==========\n")[1][len("Once upon a time"):]
+    assert quiet.stdout == completion  # the completion and its newline, nothing else
+
+
+def test_a_prompt_longer_than_the_context_prints_nothing_first(checkpoint, tokenizer):
+    folder = checkpoint(max_position_embeddings=64)
+    r = run_cli("--model", str(folder), "--prompt", "The capital of France is Paris. " * 20)
+    assert_error(r, "tokens; the context holds 64")
+    assert r.stdout == ""
+    r = run_cli("--model", str(folder), "--chat", "--prompt", "The capital of France is Paris. " * 20)
+    assert_error(r, "tokens; the context holds 64")
+    assert r.stdout == ""
+
+
+class Clock:
+    """time.perf_counter for reply(): each reading one second after the last."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+
+def test_the_statistics_time_the_prompt_to_its_first_token(checkpoint, tokenizer, monkeypatch, capsys):
+    """Prompt: its tokens over the time to the first token; Generation: the tokens after the first
+    over the time since it (mlx-lm's rates). With a clock that reads 1 s later each time: the
+    prompt read at t=1, the first token at t=2, the end at t=3."""
+    li.load(checkpoint())
+    ids = tokenizer.encode("Once upon a time").ids
+    args = argparse.Namespace(max_tokens=6, explain=False, show_probs=0, draft=None, quiet=False,
+                              temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
+    monkeypatch.setattr(li.time, "perf_counter", Clock())
+    generated = li.reply(ids, args, [None] * li.N_LAYERS)
+    out = capsys.readouterr().out
+    assert len(generated) > 2  # (a first token, and more than one after it)
+    assert f"Prompt: {len(ids)} tokens, {len(ids) / 1:.3f} tokens-per-sec" in out
+    assert f"Generation: {len(generated)} tokens, {len(generated) - 1:.3f} tokens-per-sec" in out
+
+
+def test_one_logit_that_is_not_finite_stops_before_any_text(checkpoint, tokenizer, tmp_path):
+    """One row of lm_head built to overflow float16 after this prompt (60000 x the sign of each
+    hidden number, itself a float16 value): one logit is inf, the others finite. The run says
+    so before any text: a single such logit is enough."""
+    import mlx.core as mx
+    import shutil
+    folder = shutil.copytree(checkpoint(), tmp_path / "model")
+    li.load(folder)
+    ids = tokenizer.encode("Once upon a time").ids
+    hidden = []
+    li.forward(ids, [None] * li.N_LAYERS, 0, hidden)
+    h = li.rms_norm(hidden[-1][-1], li.W["model.norm.weight"], li.EPS)
+    weights = mx.load(str(folder / "model.safetensors"))
+    weights["lm_head.weight"][7] = 60000 * mx.sign(h)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    r = run_cli("--model", str(folder), "--prompt", "Once upon a time", "--dtype", "float16")
+    assert_error(r, "not finite")
+    assert "==========" not in r.stdout
+    assert run_cli("--model", str(folder), "--prompt", "Once upon a time").returncode == 0
