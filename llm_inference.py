@@ -155,7 +155,7 @@ def attend(q, k, v, visible):
     scores = masked_scores(scores, visible, math.sqrt(hd))            # (8, 2, L, S) float32
     probs = mx.softmax(scores, axis=-1).astype(v.dtype)               # (8, 2, L, S) rows sum to 1
     out = probs @ v[..., None, :, :]                                  # (8, 2, L, 128)
-    return out.reshape(*batch, H, L, hd).swapaxes(-3, -2).reshape(*batch, L, H * hd)  # (L, 2048)
+    return out.reshape(*batch, H, L, -1).swapaxes(-3, -2).reshape(*batch, L, -1)  # (L, 2048)
 
 @partial(mx.compile, shapeless=True)  # one trace for every L and S
 def masked_scores(scores, visible, sqrt_hd):
@@ -1129,6 +1129,41 @@ def explain(prompt_ids, hidden):
     for i, (token, p) in enumerate(logit_lens(hidden), 1):
         print(bar_row(f"block {i}", token, p))
 
+def explain_looks(prompt_ids, hidden, cache, start):
+    """--explain, after the top K: where the prompt's last token looks, block by block."""
+    print("where the last token looks: each attention block's 3 heaviest tokens of the prompt "
+          "(averaged over heads)")
+    for i, weights in attention_looks(prompt_ids, hidden, cache, start):
+        weights = weights[start:].tolist()                            # the prompt's positions
+        top = sorted(range(len(weights)), key=weights.__getitem__, reverse=True)[:3]
+        for n, j in enumerate(top):
+            print(bar_row(f"block {i}" if n == 0 else "", prompt_ids[j], weights[j]))
+        print(f"{'':>10} {'rest':>18} {1 - sum(weights[j] for j in top):<8.4g}")
+    kinds = QWEN35.get("layer_types", [])
+    if "linear_attention" in kinds:
+        blocks = [str(i) for i, kind in enumerate(kinds, 1) if kind == "linear_attention"]
+        print(f"blocks {', '.join(blocks)}: Gated DeltaNet, compressed notes: no such weights")
+
+def attention_looks(prompt_ids, hidden, cache, start=0):
+    """Where the prompt's last token looks, in each full-attention block: Step 5's own attend()
+    run once more for its query, on the keys the cache holds, with the identity for values (the
+    value of position j: 1 at j), so that what it returns is its weights -> [(block, (S,))],
+    averaged over heads. hidden: x after each block, for the last token."""
+    S = start + len(prompt_ids)
+    at, looks = mx.array([S - 1]), []
+    for i in [i for i in range(N_LAYERS) if not deltanet(i)]:
+        x = embed(prompt_ids[-1:]) if i == 0 else hidden[i - 1]       # (1, D) block i's input
+        h = rms_norm(x, W[f"model.layers.{i}.input_layernorm.weight"], EPS)
+        if MODEL == "qwen3_5":
+            q = gated_queries(h, i, at)[0]                            # (1, heads, hd)
+        else:
+            q = queries_keys_values(h, f"model.layers.{i}.self_attn.", rope_tables(at, h.dtype))[0]
+        keys = cache[i][0][:, :S]                                     # (KV, S, hd)
+        one_hot = mx.broadcast_to(mx.eye(S, dtype=keys.dtype), (keys.shape[0], S, S))
+        weights = attend(q, keys, one_hot, mx.ones((1, S), mx.bool_))  # (1, heads * S)
+        looks.append((i + 1, weights.reshape(-1, S).astype(mx.float32).mean(axis=0)))  # (S,)
+    return looks
+
 def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
     """One completion: --explain and --show-probs, then the text as it comes (after echo) and the
     statistics (--quiet: the text alone) -> generated, the new ids, each added as it is printed.
@@ -1160,6 +1195,8 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
     if args.explain or args.show_probs:
         for token, p in top_tokens(logits, args.show_probs or 5):
             print(bar_row("", token, p))
+    if args.explain:
+        explain_looks(prompt_ids, hidden, cache, start)
     if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
         raise not_finite("after the prompt", logits.dtype)
     print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
@@ -1176,7 +1213,12 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
     if args.quiet:
         print(flush=True)
         return generated
-    print_stats(len(prompt_ids), len(generated), tic, first or time.perf_counter(), cache, held)
+    read = print_stats(len(prompt_ids), len(generated), tic, first or time.perf_counter(), cache,
+                       held)
+    if args.explain:  # the limit decoding works against: what the memory can move
+        speed = bandwidth()
+        print(f"Memory: this machine copies {speed / 1e9:.1f} GB/s (a 268 MB array, read and "
+              f"written, timed): decoding read {100 * read / speed:.1f}% of it", flush=True)
     if args.draft:  # after mlx-lm's lines: what drafting did
         by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
         share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
@@ -1185,10 +1227,12 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
     return generated
 
 def print_stats(n_prompt, n, tic, first, cache, held):
-    """mlx_lm.generate's lines (the prompt's rate: to the first token), then the KV cache's."""
+    """mlx_lm.generate's lines (the prompt's rate: to the first token), then the KV cache's and
+    the bytes a token reads -> the bytes a second decoding read."""
     end = time.perf_counter()
+    rate = max(n - 1, 0) / max(end - first, 1e-9)                     # tokens a second
     print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (first - tic):.3f} tokens-per-sec")
-    print(f"Generation: {n} tokens, {max(n - 1, 0) / max(end - first, 1e-9):.3f} tokens-per-sec")
+    print(f"Generation: {n} tokens, {rate:.3f} tokens-per-sec")
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
     print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
           f"({cache_bytes(cache) / 1e6:.3f} MB allocated)", flush=True)
@@ -1196,6 +1240,31 @@ def print_stats(n_prompt, n, tic, first, cache, held):
         states = cache_bytes(cache, kind="linear_attention")
         print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
               f"{states / 1e6:.3f} MB at any length", flush=True)
+    weights, memory = token_bytes(cache, held + n)
+    print(f"Bytes per token: {weights / 1e6:.3f} MB of weights + {memory / 1e6:.3f} MB of cache, "
+          f"{(weights + memory) * rate / 1e9:.3f} GB/s at {rate:.3f} tokens-per-sec", flush=True)
+    return (weights + memory) * rate
+
+def token_bytes(cache, held):
+    """What decoding one token reads -> (its weights' bytes, its cache's): each weight it uses
+    once (of the embedding one row, unless the LM head reads the same table; the MTP head's not
+    at all), the keys and values of held positions, a DeltaNet's notes whole."""
+    skipped = ("model.embed_tokens", "mtp.", f"model.layers.{N_LAYERS}.")
+    used = {id(w): w for name, w in W.items() if not name.startswith(skipped)}  # tied: once
+    return sum(w.nbytes for w in used.values()), \
+        cache_bytes(cache, held) + cache_bytes(cache, kind="linear_attention")
+
+def bandwidth(size=2**28):
+    """This machine's memory speed, bytes a second: a size-byte array read and written back once
+    (x + 1), timed, the best of 3; a quarter of a second on a laptop."""
+    x = mx.zeros(size // 4)
+    mx.eval(x)
+    best = math.inf
+    for _ in range(3):
+        tic = time.perf_counter()
+        mx.eval(x + 1)
+        best = min(best, time.perf_counter() - tic)
+    return 2 * size / best
 
 def reply_batch(texts, args):
     """Several prompts, one continuous batch (generate_batch()): each completion after its prompt,

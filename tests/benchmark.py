@@ -141,10 +141,11 @@ class NoStop:  # what batch_generate asks of a tokenizer: no EOS id (every row m
         return ""
 
 
-def batch_rows(model, batches, runs, n_prompt=16, n_new=32):
+def batch_rows(model, batches, runs, plain=True, n_prompt=16, n_new=32):
     """Total generated tokens per second over B prompts of n_prompt tokens, n_new tokens each,
     prefill included: ours (generate_batch), mlx-lm's batch_generate, and B plain runs of ours one
-    after another; interleaved, medians. EOS ids are set aside so that every row makes n_new."""
+    after another (plain=False: not those); interleaved, medians. EOS ids are set aside so that
+    every row makes n_new."""
     li.EOS_IDS = set()
     vocab = li.TOK.get_vocab_size() - 10
     print(f"{'B':>3}{'ours':>10}{'mlx-lm':>10}{'ratio':>8}{'B runs':>10}{'ours/runs':>11}"
@@ -156,6 +157,9 @@ def batch_rows(model, batches, runs, n_prompt=16, n_new=32):
                 "mlx-lm": lambda: batch_generate(model, NoStop(), prompts, max_tokens=n_new,
                                                  completion_batch_size=B, prefill_batch_size=B),
                 "runs": lambda: [list(li.generate(ids, max_tokens=n_new)) for ids in prompts]}
+        if not plain:
+            ways.pop("runs")
+            figures["runs"] = [float("nan")]
         for run in range(runs + 1):
             for name, way in ways.items():
                 mx.clear_cache()
@@ -163,7 +167,7 @@ def batch_rows(model, batches, runs, n_prompt=16, n_new=32):
                 way()
                 if run:  # run 0 is the warm-up
                     figures[name].append(B * n_new / (time.perf_counter() - tic))
-        a, b, c = (statistics.median(figures[name]) for name in ways)
+        a, b, c = (statistics.median(figures[name]) for name in figures)
         print(f"{B:>3}{a:>10.2f}{b:>10.2f}{a / b:>7.2f}x{c:>10.2f}{a / c:>10.2f}x"
               f"{batch_kernels(prompts) / B:>13.1f}{batch_kernels(prompts[:1], single=True):>8.1f}")
 
@@ -248,6 +252,7 @@ def main():
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="quantise it with mlx_lm.convert")
     ap.add_argument("--qwen35", action="store_true", help="a random Qwen3.5 (0.8B's proportions)")
     ap.add_argument("--batches", help="batch sizes, e.g. 1,4,16: the batching rows only")
+    ap.add_argument("--no-plain-runs", action="store_true", help="batching: skip the B plain runs")
     ap.add_argument("--draft", choices=["mtp", "lookup"], help="the drafting rows only")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
@@ -287,7 +292,8 @@ def main():
     bytes_ours = sum(w.nbytes for w in {id(w): w for w in li.W.values()}.values())
     bytes_ref = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
     if args.batches:
-        batch_rows(model, [int(b) for b in args.batches.split(",")], args.runs)
+        batch_rows(model, [int(b) for b in args.batches.split(",")], args.runs,
+                   not args.no_plain_runs)
         return
     impls = {"ours": (Ours(), bytes_ref), "mlx-lm": (MlxLm(model), bytes_ours)}
     vocab = li.TOK.get_vocab_size() - 10  # ordinary tokens only

@@ -238,7 +238,8 @@ def test_kv_cache_positions_and_bytes(checkpoint, tokenizer, capsys, stop):
 
 def explained(stdout):
     """--explain's output -> (tokens line, embedding line, lens rows, table rows)."""
-    lines = stdout.split("\n==========\n")[0].splitlines()[1:]  # after the model summary
+    lines = stdout.split("\n==========\n")[0].split("\nwhere the last token looks")[0]
+    lines = lines.splitlines()[1:]  # after the model summary, before where the token looks
     tokens, embedding, heading, *rest = lines
     lens = [line for line in rest if line.lstrip().startswith("block ")]
     assert tokens.startswith("tokens: ") and embedding.startswith("embedding: ")
