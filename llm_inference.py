@@ -337,11 +337,10 @@ def l2_norm(x, eps=1e-6):  # x (..., n) -> x / |x| along the last axis, length 1
     return x32 * mx.rsqrt(mx.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
 def gated_delta_net(x, layer_idx, cache):
-    """x: (L, D) -> (L, D): the article's "compressed notes". In place of keys and values that grow
-    with every token, each value head keeps one fixed-size matrix, its state S (dk, dv), that
-    stores values under keys. Each token: forget a little (S *= decay), recall what S holds for
-    its key (k S), move that towards its value (S += k^T beta (v - k S)), read with its query
-    (q S). A batch's x is (B, L, D): each of B sequences its own notes."""
+    """x: (L, D) (a batch's: (B, L, D)) -> the same: the article's "compressed notes". In place of
+    keys and values that grow with every token, each value head keeps one fixed-size matrix, its
+    state S (dk, dv), storing values under keys. Each token: forget a little (S *= decay), recall
+    what S holds for its key (k S), move that towards its value (S += k^T beta (v - k S)), read."""
     p, lead = f"model.layers.{layer_idx}.linear_attn.", x.shape[:-1]  # (L,), or (B, L)
     hv, dv = QWEN35["linear_num_value_heads"], QWEN35["linear_value_head_dim"]       # 16, 128
     qkv = linear(x, p + "in_proj_qkv")                                # (L, 6144) q, k, v
@@ -446,9 +445,8 @@ def hidden_pass(token_ids, cache, start, lens=None):
     return mx.concatenate(chunks)                                     # (L, 1024)
 
 def verify_pass(ids, cache, pos, sampler):
-    """Step 2: the model over ids (the next id, then K drafts) at positions pos.., one pass -> its
-    logits (1 + K, vocab) and own choice (1 + K,) after each id, its hidden states (1 + K, D)
-    (what the MTP head reads), and each DeltaNet layer's notes after each id (for a rollback)."""
+    """Step 2: the model over ids (the next id, K drafts) at pos.., one pass -> its logits, choice
+    and hidden state (what the MTP head reads) after each, each DeltaNet's notes after each id."""
     kept = {i: [] for i in range(N_LAYERS) if deltanet(i)}
     for i, notes in kept.items():  # a list in the cache entry: delta_memory() fills it
         cache[i] = (*cache[i], notes)
@@ -457,25 +455,16 @@ def verify_pass(ids, cache, pos, sampler):
     hidden = rms_norm(blocks[-1], W["model.norm.weight"], EPS)        # (1 + K, 1024)
     return logits, sampler(logits), hidden, kept
 
-def accept(drafts, choices):
-    """Step 3: how many drafts stand: each equal to the model's own choice at its position, up to
-    the first that is not (an EOS id ends there too: nothing follows it)."""
-    n = 0
-    while n < len(drafts) and choices[n] == drafts[n] and drafts[n] not in EOS_IDS:
-        n += 1
-    return n
-
 def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_draft=1,
                    cache=None, start=0, hidden=None, counts=None):
     """generate(), each step in three: draft (ids guessed ahead: the MTP head's 1, or up to n_draft
     by prompt lookup), verify (one pass), accept (the drafts the model agrees with, the DeltaNet
     rolled back to there). hidden: hidden_pass()'s, if it ran the prompt in; counts: a dict, given
-    "drafted" and "accepted". A continued cache (start > 0): the head and the lookup see this
+    "drafted" and "accepted" anew. A continued cache (start > 0): the head and the lookup see this
     call's ids only."""
     cache = [None] * N_LAYERS if cache is None else cache
     counts = {} if counts is None else counts
-    counts.setdefault("drafted", 0)
-    counts.setdefault("accepted", 0)
+    counts.update(drafted=0, accepted=0)
     hidden = hidden_pass(prompt_ids, cache, start) if hidden is None else hidden  # (L, 1024)
     logits = linear(hidden[-1:], "lm_head")[-1]                       # (vocab,) the next id's
     # The MTP head's own KV cache, over the prompt: it reads (x_t+1, h_t) for t = start.., the
@@ -513,7 +502,11 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
         logits, choices, hidden, kept = verify_pass(ids, cache, pos, sampler)
         finite = mx.isfinite(logits).all(axis=-1).tolist()            # (1 + K,) each row's check
         drafts, choices = drafts.tolist(), choices.tolist()
-        n = accept(drafts, choices)
+        # Step 3, accept: the drafts equal to the model's own choices, up to the first that is
+        # not; an EOS id among them ends there too (nothing follows it).
+        n = 0
+        while n < len(drafts) and choices[n] == drafts[n] and drafts[n] not in EOS_IDS:
+            n += 1
         counts["drafted"] += len(drafts)
         counts["accepted"] += n
         history += [token] + drafts[:n]
@@ -608,9 +601,8 @@ def forward_batch(token_ids, cache, positions):  # one id of each row (B,) -> lo
     return forward_rows(token_ids[:, None], cache, positions)[:, -1]
 
 def prefill_rows(prompts):
-    """Step 9's prefill() side by side: all but each last id, CHUNK at a time -> a cache, a slot
-    each. Qwen3's shorter prompts padded at the end (keys written over before any query sees
-    them); Qwen3.5's of one length (a DeltaNet's notes cannot be written over)."""
+    """Step 9's prefill() side by side, all but each last id -> a cache, a slot each. Qwen3's
+    shorter prompts padded at the end (keys written over before any query sees them)."""
     width = max(len(ids) for ids in prompts) - 1
     heads = mx.array([ids[:-1] + [0] * (width + 1 - len(ids)) for ids in prompts])  # (G, width)
     cache = [None] * N_LAYERS
@@ -684,7 +676,7 @@ def load_checked(model_dir, dtype=None):
     cfg = read_configs(model_dir)  # config.json, generation_config.json: CONFIG's entries
     weights = read_weights(model_dir, cfg, dtype)  # each tensor the model uses, of its right shape
     tok = read_tokenizer(model_dir, cfg)  # every id a row of the embedding
-    if not (Path(model_dir) / "generation_config.json").exists():  # the article's four files:
+    if not (Path(model_dir) / "generation_config.json").exists():  # the article's four files
         ends = [tok.token_to_id(name) for name in ("<|im_end|>", "<|endoftext|>")]  # Qwen3's EOS
         cfg["eos_ids"] |= set(ends) - {None}
     return use(cfg, weights, tok)
@@ -727,7 +719,7 @@ KINDS = {"model": '"qwen3" or "qwen3_5" (dense Qwen3 and Qwen3.5 models)',
          "positive": "a number more than 0", "bool": "true or false",
          "ids": "a token id, a list of them or null",
          "quantization": 'MLX\'s affine quantisation (not "mxfp4", "nvfp4" or "mxfp8")'}
-CONFIG = {  # each config.json entry that load() reads -> the kind of value it must hold
+CONFIG = {  # the config.json entries the model reads -> the kind of value each must hold
     "model_type": "model", "hidden_size": "count", "intermediate_size": "count",
     "num_hidden_layers": "count", "num_attention_heads": "count", "num_key_value_heads": "count",
     "vocab_size": "count", "max_position_embeddings": "count", "head_dim": "even",
@@ -825,9 +817,10 @@ def read_weights(model_dir, cfg, dtype):
         for part in (".weight", ".scales", ".biases"):  # a quantised table has all three
             weights["lm_head" + part] = weights.get("model.embed_tokens" + part)
     weights = checked_shapes(weights, cfg, folder)
-    for name in [name for name in weights if name.startswith("mtp.layers.0.")]:  # its layer, read
-        weights[f"model.layers.{cfg['num_hidden_layers']}.{name[13:]}"] = weights[name]  # as N
-    sums = {name: w.sum() for name, w in weights.items()  # NaN or inf: not finite (a tied head and
+    for name in [name for name in weights if name.startswith("mtp.layers.0.")]:  # the MTP
+        weights[f"model.layers.{cfg['num_hidden_layers']}.{name[13:]}"] = weights[name]  # layer
+    # A sum is NaN or inf if any value is (packed words aside; a tied head is its table's).
+    sums = {name: w.sum() for name, w in weights.items()
             if w.dtype != mx.uint32 and not (cfg["tie_word_embeddings"] and "lm_head" in name)}
     mx.eval(weights, sums)  # read every weight now, so that generation times only generation
     for name, total in sums.items():  # (a sum can overflow float16 alone: then check each value)
@@ -854,8 +847,9 @@ def checked_shapes(weights, cfg, folder):
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in own.items()})
     if cfg["qwen35"] and cfg["qwen35"]["mtp"] and any(n.startswith("mtp.") for n in weights):
         shapes.update(mtp_shapes(cfg, layer))  # the MTP head: all 15 tensors, or none
-    for name, shape in list(shapes.items()):  # MLX's quantised: packed words, a scale, a bias
-        scales = weights.get(name.replace(".weight", ".scales"))  # per group of a row's numbers
+    # MLX's quantised weights: packed words, a scale and a bias per group of a row's numbers.
+    for name, shape in list(shapes.items()):
+        scales = weights.get(name.replace(".weight", ".scales"))
         if scales is not None and len(shape) == 2 and name in weights:
             bits, group = weights[name].shape[-1] * 32 / shape[1], shape[1] / scales.shape[-1]
             if bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128):
@@ -1073,14 +1067,14 @@ def chat_prompt(turns, system=None, think=True):
     """turns: [user, assistant, user, ...] texts, the user's last -> Qwen3's chat prompt. Earlier
     answers lose their <think>...</think> part, as its template drops it. Qwen3.5's also trims each
     text and opens the answer's thinking itself ("<think>\n")."""
-    trim = str.strip if QWEN35 else str  # (str(text) is the text)
+    trim = str.strip if MODEL == "qwen3_5" else str  # (str(text) is the text)
     text = f"<|im_start|>system\n{trim(system)}<|im_end|>\n" if system else ""
     for i, turn in enumerate(turns):
         role, turn = ("assistant" if i % 2 else "user"), trim(turn)
         if role == "assistant" and "</think>" in turn:  # keep what follows the thinking
             turn = turn.split("</think>")[-1].lstrip("\n")
         text += f"<|im_start|>{role}\n{turn}<|im_end|>\n"
-    thinking = "<think>\n" if QWEN35 else ""  # thinking off: an empty think block, in both
+    thinking = "<think>\n" if MODEL == "qwen3_5" else ""  # off: an empty think block, in both
     return text + "<|im_start|>assistant\n" + (thinking if think else "<think>\n\n</think>\n\n")
 
 def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
@@ -1090,18 +1084,18 @@ def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
 def chat_prompt_ids(turns, args):
     return tokenize(chat_prompt(turns, args.system, not args.no_think))
 
-def reusable(cached_ids, prompt_ids):
+def shared_positions(cached_ids, prompt_ids):
     """Cached positions a new prompt keeps: the common prefix, short of the prompt's last token."""
     return len(os.path.commonprefix([cached_ids, prompt_ids[:-1]]))  # element by element
 
-def cache_bytes(cache, positions=None, kind="full_attention"):
-    """The keys' and values' bytes at positions 0..positions-1 (or all); kind="linear_attention":
-    Qwen3.5's DeltaNet states, the same size at any length."""
-    kinds = QWEN35["layer_types"] if QWEN35 else ["full_attention"] * len(cache)
-    layers = [c for c, k in zip(cache, kinds) if k == kind and c is not None]
-    if kind == "linear_attention":
+def cache_bytes(cache, held=None, kind="full_attention"):
+    """The keys' and values' bytes of positions 0..held-1 (or all the buffers hold);
+    kind="linear_attention": Qwen3.5's DeltaNet states, the same size at any length."""
+    notes = kind == "linear_attention"
+    layers = [c for i, c in enumerate(cache) if c is not None and deltanet(i) == notes]
+    if notes:
         return sum(a.nbytes for c in layers for a in c)
-    return sum(keys[:, :positions].nbytes + values[:, :positions].nbytes for keys, values in layers)
+    return sum(keys[:, :held].nbytes + values[:, :held].nbytes for keys, values in layers)
 
 def shown(token):  # a token's text, quoted (a leading space shows), special tokens by name
     return repr(TOK.decode([token], skip_special_tokens=False))
@@ -1174,46 +1168,48 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
         raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
     if held + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
-    hidden, states, counts = [] if args.explain else None, None, {}
+    blocks, counts = [] if args.explain else None, {}  # blocks: x after each, for --explain
     tic = time.perf_counter()
     mark, saved = keep or (start, None)  # the prompt in two parts, the cache kept between
     head, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
-    states = hidden_pass(head, cache, start) if args.draft and head else None  # (for the head)
+    hidden = hidden_pass(head, cache, start) if args.draft and head else None  # the MTP head's
     if head and not args.draft:
         prefill(head, cache, start)                                   # its logits never computed
-    if saved is not None:  # a DeltaNet state is a new array at every token; the KV buffers are
-        mx.eval(cache)     # written over after mark, before anything reads them
+    # Kept at the mark: a DeltaNet state is a new array at every token; the KV buffers are
+    # written over after the mark, before anything reads them.
+    if saved is not None:
+        mx.eval(cache)
         saved[:] = list(cache)
     if args.draft:  # every token's hidden state kept, for the MTP head
-        more = hidden_pass(rest, cache, mark, hidden)                 # (L, 1024)
-        states = more if states is None else mx.concatenate([states, more])
-        logits = linear(states[-1:], "lm_head")[-1]                   # (vocab,)
+        more = hidden_pass(rest, cache, mark, blocks)                 # (L, 1024)
+        hidden = more if hidden is None else mx.concatenate([hidden, more])
+        logits = linear(hidden[-1:], "lm_head")[-1]                   # (vocab,)
     else:
-        logits = prefill(rest, cache, mark, hidden)                   # (vocab,)
+        logits = prefill(rest, cache, mark, blocks)                   # (vocab,)
     if args.explain:
-        explain(prompt_ids, hidden)
+        explain(prompt_ids, blocks)
     if args.explain or args.show_probs:
         for token, p in top_tokens(logits, args.show_probs or 5):
             print(bar_row("", token, p))
     if args.explain:
-        explain_looks(prompt_ids, hidden, cache, start)
+        explain_looks(prompt_ids, blocks, cache, start)
     if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
         raise not_finite("after the prompt", logits.dtype)
     print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
-    generated, first = [] if generated is None else generated, None
+    generated, t_first = [] if generated is None else generated, None
     if args.draft:
         tokens = generate_draft(prompt_ids, args.max_tokens, sampler_of(args), args.draft,
-                                args.num_draft_tokens, cache, start, states, counts)
+                                args.num_draft_tokens, cache, start, hidden, counts)
     else:
         tokens = generate(prompt_ids, args.max_tokens, sampler_of(args), cache, start, logits)
     for token, piece in stream_text(tokens):
-        first = first or time.perf_counter()  # the first token ends the prefill
+        t_first = t_first or time.perf_counter()  # the first token ends the prefill
         generated.append(token)
         print(piece, end="", flush=True)
     if args.quiet:
         print(flush=True)
         return generated
-    read = print_stats(len(prompt_ids), len(generated), tic, first or time.perf_counter(), cache,
+    read = print_stats(len(prompt_ids), len(generated), tic, t_first or time.perf_counter(), cache,
                        held)
     if args.explain:  # the limit decoding works against: what the memory can move
         speed = bandwidth()
@@ -1226,17 +1222,18 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
               f"{share}", flush=True)
     return generated
 
-def print_stats(n_prompt, n, tic, first, cache, held):
+def print_stats(n_prompt, n, tic, t_first, cache, held):
     """mlx_lm.generate's lines (the prompt's rate: to the first token), then the KV cache's and
     the bytes a token reads -> the bytes a second decoding read."""
-    end = time.perf_counter()
-    rate = max(n - 1, 0) / max(end - first, 1e-9)                     # tokens a second
-    print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (first - tic):.3f} tokens-per-sec")
+    t_end = time.perf_counter()
+    rate = max(n - 1, 0) / max(t_end - t_first, 1e-9)                 # tokens a second
+    print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (t_first - tic):.3f} "
+          "tokens-per-sec")
     print(f"Generation: {n} tokens, {rate:.3f} tokens-per-sec")
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
     print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
           f"({cache_bytes(cache) / 1e6:.3f} MB allocated)", flush=True)
-    if QWEN35:  # the other memory
+    if MODEL == "qwen3_5":  # the other memory
         states = cache_bytes(cache, kind="linear_attention")
         print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
               f"{states / 1e6:.3f} MB at any length", flush=True)
@@ -1266,13 +1263,11 @@ def bandwidth(size=2**28):
         best = min(best, time.perf_counter() - tic)
     return 2 * size / best
 
-def reply_batch(texts, args):
-    """Several prompts, one continuous batch (generate_batch()): each completion after its prompt,
-    in the prompts' order; at a terminal, a progress line meanwhile; then the batch's statistics."""
-    prompts = [chat_prompt_ids([t], args) if args.chat else tokenize(t) for t in texts]
+def reply_batch(texts, prompts, args):
+    """Several prompts (their texts and ids), one continuous batch (generate_batch()): each
+    completion after its prompt, in the prompts' order (--quiet: the completions alone); at a
+    terminal, a progress line meanwhile; then the batch's statistics."""
     longest = max(len(ids) for ids in prompts)
-    if longest >= MAX_POS:
-        raise UserError(f"a prompt is {longest} tokens; the context holds {MAX_POS}")
     if longest + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
     tic, done, ended = time.perf_counter(), [[] for _ in prompts], []
@@ -1287,7 +1282,10 @@ def reply_batch(texts, args):
         print("\r\x1b[K", end="", file=sys.stderr, flush=True)
     for text, ids in zip(texts, done):
         completion = "".join(piece for _, piece in stream_text(ids))  # as a single run prints it
-        print("=" * 10 + "\n" + (f">> {text}\n" if args.chat else text) + completion)
+        label = f">> {text}\n" if args.chat else text
+        print(completion if args.quiet else "=" * 10 + "\n" + label + completion)
+    if args.quiet:
+        return
     n = sum(len(ids) for ids in done)
     print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
           f"--batch-size {args.batch_size}")
@@ -1298,7 +1296,10 @@ def reply_batch(texts, args):
     kv = held * full * 2 * N_KV * D_HEAD * W["model.norm.weight"].dtype.size
     print(f"KV cache: {held} positions in {len(ended)} sequences, {kv / 1e6:.3f} MB (each as it "
           f"ended; at most --batch-size of them held at once)", flush=True)
-    if QWEN35:
+    rows = min(args.batch_size, len(prompts))  # a token of each row shares one read of the weights
+    print(f"Bytes per token, a row of {rows}: {token_bytes([], 0)[0] / rows / 1e6:.3f} MB of "
+          f"weights + {kv / len(ended) / 1e6:.3f} MB of cache (its mean at the end)", flush=True)
+    if MODEL == "qwen3_5":
         c, width = QWEN35, QWEN35["linear_conv_kernel_dim"]  # conv_state and state, per layer
         channels = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + \
             c["linear_num_value_heads"] * c["linear_value_head_dim"]
@@ -1326,9 +1327,10 @@ def converse(args):
             return
         turns.append(line)
         prompt_ids = chat_prompt_ids(turns, args)
-        reused = reusable(cached_ids, prompt_ids)
-        if QWEN35 and reused < len(cached_ids):  # a DeltaNet's state cannot be cut back: go on
-            reused = mark if saved and mark <= reused else 0  # from the one kept at the mark
+        reused = shared_positions(cached_ids, prompt_ids)
+        if MODEL == "qwen3_5" and reused < len(cached_ids):
+            # A DeltaNet's notes cannot be cut back: go on from the ones kept at the mark.
+            reused = mark if saved and mark <= reused else 0
             cache[:] = saved if reused else [None] * N_LAYERS
         if not args.quiet:
             print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
@@ -1336,15 +1338,17 @@ def converse(args):
         # one right after "<|im_start|>assistant\n": Qwen3.5's cache is kept as it is there.
         mark = len(prompt_ids) - len(tokenize(chat_prompt([""], None, not args.no_think)
                                               .split("<|im_start|>assistant\n")[-1]))
-        saved, generated = [] if QWEN35 and mark > reused else None, []
+        saved, generated = [] if MODEL == "qwen3_5" and mark > reused else None, []
         try:
             reply(prompt_ids[reused:], args, cache, reused,
                   keep=None if saved is None else (mark, saved), generated=generated)
             cached_ids = prompt_ids + generated  # what generate() leaves in the cache
-        except KeyboardInterrupt:  # Ctrl-C: the answer stops; the cache may hold a token more
-            print(flush=True)      # than was printed (Step 9), so it is trusted as far as sure,
+        except KeyboardInterrupt:
+            # Ctrl-C: the answer stops. The cache may hold a token more than was printed (Step 9),
+            # so it is trusted as far as sure, and -1 (no id) sends a DeltaNet back to the mark.
+            print(flush=True)
             sure = prompt_ids + generated[:-1] if generated else prompt_ids[:reused]
-            cached_ids = sure + [-1]  # and -1 (no id) sends a DeltaNet state back to the mark
+            cached_ids = sure + [-1]
         turns.append(TOK.decode(generated))
 
 def read_line(at_terminal):
@@ -1371,7 +1375,7 @@ class Flags(argparse.ArgumentParser):
         raise UserError(f"{message} (see --help)")
 
 def parse_args(argv):
-    """The flags, named as in mlx_lm.generate; every value is checked before any work."""
+    """The flags (mlx_lm.generate's names where it has the flag); every value checked first."""
     ap = Flags(description="Qwen3 text generation from scratch with MLX.",
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = ap.add_argument
@@ -1429,8 +1433,10 @@ def read_prompts(args):
         raise UserError("standard output is closed: there is nowhere to print the text")
     if sys.stdin is None and ("-" in texts or args.chat and not texts and not args.prompts):
         raise UserError("standard input is closed: there is nothing to read the prompt from")
-    if sys.stdin is None:  # closed (<&-): a file opened next would get descriptor 0, which MLX's
-        os.open(os.devnull, os.O_RDONLY)  # safetensors reader takes for a failure; fill it first
+    # Standard input closed (<&-): a file opened next would get descriptor 0, which MLX's
+    # safetensors reader takes for a failure; fill it first.
+    if sys.stdin is None:
+        os.open(os.devnull, os.O_RDONLY)
     texts = [as_text(sys.stdin.buffer.read()) if text == "-" else text for text in texts]
     for flag, text in [("--prompt", text) for text in texts] + [("--system", args.system)]:
         if text is not None:  # bytes that are not UTF-8 reach Python as lone surrogates
@@ -1456,7 +1462,7 @@ def summary(folder, cfg):
         size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
                 f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
     name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
-    if QWEN35:  # and what of it is not run
+    if MODEL == "qwen3_5":  # and what of it is not run
         head = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
         name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {head})"
         layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
@@ -1477,19 +1483,21 @@ def main(argv=None):
     if args.draft == "mtp" and "mtp.fc.weight" not in W:
         raise UserError(f"{folder} has no MTP head (mtp.* tensors): --draft mtp needs Qwen3.5's "
                         "own; --draft lookup drafts with any model")
-    text, ids = texts[0] or "The capital of France is", None
-    if len(texts) == 1 and (texts[0] or not args.chat):  # one prompt: checked before any output
-        ids = chat_prompt_ids(texts, args) if args.chat else tokenize(text)
-        if len(ids) >= MAX_POS:
-            raise UserError(f"the prompt is {len(ids)} tokens; the context holds {MAX_POS}")
+    prompts = None  # --chat without a prompt: a conversation
+    if texts[0] is not None or not args.chat:  # each prompt checked before any output
+        texts = [text or "The capital of France is" for text in texts]
+        prompts = [chat_prompt_ids([t], args) if args.chat else tokenize(t) for t in texts]
+        longest = max(len(ids) for ids in prompts)
+        if longest >= MAX_POS:
+            raise UserError(f"a prompt is {longest} tokens; the context holds {MAX_POS}")
     if not args.quiet:
         print(summary(folder, cfg))
-    if len(texts) > 1:
-        reply_batch(texts, args)
-    elif ids is None:
+    if prompts is None:
         converse(args)
+    elif len(prompts) > 1:
+        reply_batch(texts, prompts, args)
     else:
-        reply(ids, args, [None] * N_LAYERS, echo="" if args.chat else text)
+        reply(prompts[0], args, [None] * N_LAYERS, echo="" if args.chat else texts[0])
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130
@@ -1499,8 +1507,8 @@ if __name__ == "__main__":
     except UserError as e:  # the user's flags, files or numbers: one line; a bug, its traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.status)
-    except KeyboardInterrupt:  # a chat at a terminal, Ctrl-C but in an answer: it ends, as a
-        print(file=sys.stderr)  # shell's command ends
+    except KeyboardInterrupt:  # Ctrl-C in a chat at a terminal, not in an answer: it ends
+        print(file=sys.stderr)
         sys.exit(130)
     except FloatingPointError as e:  # not_finite()'s: the logits overflowed the dtype
         print(f"error: {e} (--dtype float32)", file=sys.stderr)

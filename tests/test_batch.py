@@ -265,3 +265,22 @@ def test_overflowing_rows_through_the_command_line(overflowing):
     assert_error(r, "the logits of prompt 1 are not finite (NaN or inf) in float16: the "
                  "activations overflow it; compute in float32 (--dtype float32)")
     assert "==========" not in r.stdout  # the model's line only, no completion
+
+
+def test_batch_quiet_long_prompts_and_bytes(checkpoint):
+    """-q prints each completion alone, in the prompts' order; a prompt longer than the context,
+    among others, is refused before any output; the statistics give a row's bytes per token: the
+    weights shared by --batch-size rows, and its cache."""
+    folder = str(checkpoint())
+    loud = run_cli("--model", folder, "-p", TEXTS[0], "-p", TEXTS[1], "-m", "5")
+    quiet = run_cli("--model", folder, "-p", TEXTS[0], "-p", TEXTS[1], "-m", "5", "-q")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    parts = loud.stdout.split("==========\n")[1:3]
+    assert quiet.stdout == "".join(part[len(text):] for part, text in zip(parts, TEXTS[:2]))
+    li.load(folder)
+    weights = li.token_bytes([], 0)[0]
+    assert f"Bytes per token, a row of 2: {weights / 2 / 1e6:.3f} MB of weights + " in loud.stdout
+    long = " ".join(["The capital of France is Paris."] * 400)
+    r = run_cli("--model", folder, "-p", "a", "-p", long, "-m", "3")
+    assert_error(r, "tokens; the context holds 2048")
+    assert r.stdout == ""

@@ -94,7 +94,7 @@ def test_reused_cache_equals_fresh_forward(checkpoint, tokenizer):
             cached_ids = ids1 + thought
             prompt_ids = tokenizer.encode(li.chat_prompt(["Hello there", "<think>\nhmm\n</think>\n\nParis.",
                                                           "And Japan?"])).ids
-        n = li.reusable(cached_ids, prompt_ids)
+        n = li.shared_positions(cached_ids, prompt_ids)
         assert 0 < n < len(prompt_ids) and n < len(cached_ids)  # a real cut: stale positions follow
         assert prompt_ids[:n] == cached_ids[:n] and prompt_ids[n] != cached_ids[n]
         ours = li.forward(prompt_ids[n:], cache, n)
@@ -114,7 +114,7 @@ def test_chat_turn_after_a_cut_across_a_buffer_boundary(checkpoint, tokenizer):
     assert len(ids1) > 256 and cache[0][0].shape[1] == 512
     cached = ids1 + reply[:-1]
     ids2 = tokenizer.encode(li.chat_prompt(["The capital of Japan is Tokyo. " * 40])).ids
-    n = li.reusable(cached, ids2)
+    n = li.shared_positions(cached, ids2)
     assert 0 < n < 256 < len(ids2)
     ours = list(li.generate(ids2[n:], max_tokens=8, cache=cache, start=n))
     assert ours == list(li.generate(ids2, max_tokens=8))

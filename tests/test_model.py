@@ -290,14 +290,14 @@ def test_prompt_longer_than_a_prefill_chunk(checkpoint, tokenizer):
     assert rel_err(mx.stack([last, after]), ref[-2:]) < 1e-4
 
 
-def test_reusable_leaves_one_prompt_token_to_compute():
+def test_shared_positions_leave_one_prompt_token_to_compute():
     """The reply's first token comes from the logits of the prompt's last token, so that token
     is always computed, even when the whole prompt is in the cache already."""
-    assert li.reusable([1, 2, 3, 4, 5], [1, 2, 3]) == 2                # a prefix of the cache
-    assert li.reusable([1, 2, 3], [1, 2, 3]) == 2                      # the cache exactly
-    assert li.reusable([1, 2, 3], [1, 2, 3, 4]) == 3
-    assert li.reusable([1, 9, 3], [1, 2, 3, 4]) == 1
-    assert li.reusable([], [7]) == 0
+    assert li.shared_positions([1, 2, 3, 4, 5], [1, 2, 3]) == 2                # a prefix of the cache
+    assert li.shared_positions([1, 2, 3], [1, 2, 3]) == 2                      # the cache exactly
+    assert li.shared_positions([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert li.shared_positions([1, 9, 3], [1, 2, 3, 4]) == 1
+    assert li.shared_positions([], [7]) == 0
 
 
 def test_prompt_already_cached_gives_the_fresh_answer(checkpoint, tokenizer):
@@ -305,7 +305,7 @@ def test_prompt_already_cached_gives_the_fresh_answer(checkpoint, tokenizer):
     ids = tokenizer.encode("The capital of France is").ids
     cache = [None] * li.N_LAYERS
     mx.eval(li.forward(ids + ids[:3], cache, 0))                       # the prompt and more, cached
-    n = li.reusable(ids + ids[:3], ids)
+    n = li.shared_positions(ids + ids[:3], ids)
     assert list(li.generate(ids[n:], max_tokens=6, cache=cache, start=n)) == \
         list(li.generate(ids, max_tokens=6))
 
