@@ -970,6 +970,8 @@ def download(repo, local_dir):
     warnings.filterwarnings("ignore", module="huggingface_hub")  # "not enough free disk space"
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: huggingface_hub tidies up
     api, name, fetched, into = HfApi(), "the file list", {}, local_dir or constants.HF_HUB_CACHE
+    print(f"{repo}: asking {constants.ENDPOINT} which files to fetch into {into}",
+          file=sys.stderr, flush=True)
     try:
         sizes = files_to_fetch(api, repo, local_dir)
         for name, size in sizes.items():

@@ -86,7 +86,9 @@ def test_first_run_through_a_pipe_then_a_second_that_asks_nothing(hub, fresh_clo
     r = run(fresh_clone, hub)
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr and "\x1b" not in r.stderr  # a log, not a terminal: no redraws
-    shown = r.stderr.splitlines()
+    first, *shown = r.stderr.splitlines()
+    folder = fresh_clone / "Qwen3-0.6B"
+    assert first == f"Qwen/Qwen3-0.6B: asking {hub.url} which files to fetch into {folder}"
     assert [line.split(":")[0] for line in shown] == FILES  # one line per file, before it comes
     folder = fresh_clone / "Qwen3-0.6B"
     assert all(re.fullmatch(rf"[\w.]+: [\d.]+[kMG]?B from {hub.url}/Qwen/Qwen3-0.6B into {folder}",
@@ -139,15 +141,16 @@ def test_first_run_at_a_terminal(hub, fresh_clone, checkpoint, columns):
     text = raw.decode()
     assert p.returncode == 0, text
     if not columns:
-        assert [line.split(":")[0] for line in screen(text)[:5]] == FILES and "%|" not in text
+        assert [line.split(":")[0] for line in screen(text)[1:6]] == FILES and "%|" not in text
         return
     frames = [f for f in text.split("\r") if "model.safetensors: " in f and "MB/s" in f]
     assert len(frames) >= 2 and re.search(r"[\d.]+M/31\.4M \[00:0\d<00:0\d, [\d.]+MB/s\]", frames[0])
     lines = screen(text)
-    assert [line.split(":")[0] for line in lines[:10:2]] == FILES  # each file's line, then its bar
-    assert all(f"/{name}: 100%" in bar for name, bar in zip(FILES, lines[1:10:2])), lines
-    assert lines[10].startswith("Qwen3 from ")  # the script's own output follows, on its own line
-    assert lines[-1].startswith("KV cache: ") and text.rstrip().endswith(lines[-1])  # nothing after
+    assert lines[0].startswith("Qwen/Qwen3-0.6B: asking ")  # before the first request
+    assert [line.split(":")[0] for line in lines[1:11:2]] == FILES  # each file's line, its bar
+    assert all(f"/{name}: 100%" in bar for name, bar in zip(FILES, lines[2:11:2])), lines
+    assert lines[11].startswith("Qwen3 from ")  # the script's own output follows, on its own line
+    assert lines[-1].startswith("Bytes per token: ") and text.rstrip().endswith(lines[-1])
 
 
 def test_ctrl_c_during_the_download(hub, fresh_clone):
@@ -180,8 +183,8 @@ def test_ctrl_c_during_the_download(hub, fresh_clone):
     hub.requests.clear()
     r = run(fresh_clone, hub)
     size = tqdm.format_sizeof(len(hub.repos["Qwen/Qwen3-0.6B"]["model.safetensors"]))
-    assert r.returncode == 0 and len(r.stderr.splitlines()) == 1
-    assert r.stderr.startswith(f"model.safetensors: {size}B from ")
+    assert r.returncode == 0 and len(r.stderr.splitlines()) == 2
+    assert r.stderr.splitlines()[1].startswith(f"model.safetensors: {size}B from ")
     assert {r[1].split("/")[-1] for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]} == \
         {"model.safetensors"}
 
@@ -261,7 +264,7 @@ def test_repo_id_into_the_cache_and_its_hand_command(hub, fresh_clone, checkpoin
     nothing. Offline with an empty cache, the hand command fills that cache, and --model reads it."""
     r = run(fresh_clone, hub, "--model", "Qwen/Qwen3-1.7B")
     assert r.returncode == 0, r.stderr
-    assert sorted(line.split(":")[0] for line in r.stderr.splitlines()) == sorted(SHARDED)
+    assert sorted(line.split(":")[0] for line in r.stderr.splitlines()[1:]) == sorted(SHARDED)
     reference = run(fresh_clone, hub, "--model", str(checkpoint(shards=2, seed=3)))
     assert r.stdout.split("==========")[1] == reference.stdout.split("==========")[1]
     hub.requests.clear()

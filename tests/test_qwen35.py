@@ -298,7 +298,9 @@ def test_download_by_repo_id(qwen35, tmp_path):
     finally:
         hub.close()
     assert r.returncode == 0, r.stderr
-    assert sorted(line.split(":")[0] for line in r.stderr.splitlines()) == sorted(
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("Qwen/Qwen3.5-0.8B: asking ")  # before the first request
+    assert sorted(line.split(":")[0] for line in lines[1:]) == sorted(
         ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
          "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"])
     assert r.stdout.split("==========")[1] == run_cli("--model", str(folder), "-m", "3").stdout.split(
