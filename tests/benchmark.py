@@ -9,6 +9,7 @@
     python tests/benchmark.py --quantize 4           # the same, quantised by mlx-lm (groups of 64)
     python tests/benchmark.py --qwen35               # Qwen3.5-0.8B's proportions, 4 layers: 3 DeltaNet
     python tests/benchmark.py --batches 1,4,16       # batching: ours, mlx-lm's batch_generate, B runs
+    python tests/benchmark.py --batches 16,32 --no-plain-runs   # without the B plain runs
     python tests/benchmark.py --qwen35 --draft mtp   # drafting: heads that agree, half agree, random
     python tests/benchmark.py --draft lookup         # prompt lookup on Qwen3, a repetitive prompt
 
