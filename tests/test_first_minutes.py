@@ -72,7 +72,7 @@ def test_a_damaged_file_leaves_nothing_in_the_cache(checkpoint, tmp_path):
         assert all(f.read_bytes() != damaged for f in (tmp_path / "hf").rglob("*") if f.is_file())
         hub.corrupt.clear()
         r = subprocess.run(cmd, env=environment(hub, tmp_path / "hf"), capture_output=True, text=True)
-        assert r.returncode == 0 and r.stderr.splitlines()[0].startswith(SHARDED[-1]), r.stderr
+        assert r.returncode == 0 and r.stderr.splitlines()[1].startswith(SHARDED[-1]), r.stderr
     finally:
         hub.close()
 
@@ -93,8 +93,8 @@ def test_a_repo_id_in_the_cache_without_its_weights(checkpoint, tmp_path):
         hub.status.clear()
         hub.requests.clear()
         r = subprocess.run(cmd, env=environment(hub, tmp_path / "hf"), capture_output=True, text=True)
-        assert r.returncode == 0 and r.stderr.splitlines()[0].startswith(SHARDED[-1]), r.stderr
-        assert len(r.stderr.splitlines()) == 1  # only what was missing
+        assert r.returncode == 0 and r.stderr.splitlines()[1].startswith(SHARDED[-1]), r.stderr
+        assert len(r.stderr.splitlines()) == 2  # the repo's line, then only what was missing
     finally:
         hub.close()
 
