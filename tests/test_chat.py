@@ -50,6 +50,19 @@ class Terminal:
         return self.p.returncode, self.seen.decode().replace("\r\n", "\n"), err.decode()
 
 
+def interrupt_then_ask(t):
+    """Ctrl-C now, then the next turn "And Japan?" answered in full, then Ctrl-D -> stdout."""
+    t.p.send_signal(signal.SIGINT)
+    t.read_until(b">> ", 2)
+    t.type(b"And Japan?\r")
+    t.read_until(b"Peak memory")
+    t.read_until(b">> ", 3)
+    t.type(b"\x04")
+    code, out, err = t.close()
+    assert code == 0 and "Traceback" not in err, err
+    return out
+
+
 def test_line_editing_and_history(checkpoint, tokenizer):
     """The left arrow moves the cursor (the line sent is "aXb", not "ab^[[DX"); the up arrow
     brings back the line before. --explain shows each turn's token ids."""
@@ -111,14 +124,7 @@ def test_ctrl_c_stops_the_answer_and_the_next_turn_is_a_fresh_runs(checkpoint, q
     t.type(line.encode() + b"\r")
     t.read_until(b"==========\r\n")
     time.sleep(0.3)  # part of the answer is on the screen
-    t.p.send_signal(signal.SIGINT)
-    t.read_until(b">> ", 2)
-    t.type(b"And Japan?\r")
-    t.read_until(b"Peak memory")
-    t.read_until(b">> ", 3)
-    t.type(b"\x04")
-    code, out, err = t.close()
-    assert code == 0 and "Traceback" not in err, err
+    out = interrupt_then_ask(t)
     first, rest = out.split("==========\n", 1)[1].split("\n>> ", 1)
     assert "Peak memory" not in first and "Peak memory" in rest  # the first answer stopped
     second = rest.split("==========\n", 1)[1].split("\n==========")[0]
@@ -139,14 +145,7 @@ def test_ctrl_c_during_a_turns_prefill(slow_checkpoint, tokenizer):
     t.type(long.encode() + b"\r")
     t.read_until(b"[KV cache: ")
     time.sleep(0.5)
-    t.p.send_signal(signal.SIGINT)
-    t.read_until(b">> ", 2)
-    t.type(b"And Japan?\r")
-    t.read_until(b"Peak memory")
-    t.read_until(b">> ", 3)
-    t.type(b"\x04")
-    code, out, err = t.close()
-    assert code == 0 and "Traceback" not in err, err
+    out = interrupt_then_ask(t)
     first, second = out.split("[KV cache: ")[1:]
     assert "==========" not in first  # stopped inside the prefill
     li.load(slow_checkpoint)

@@ -55,17 +55,24 @@ def test_a_folder_that_does_not_exist(tmp_path, spelling):
                  "Hugging Face repo id such as Qwen/Qwen3-0.6B)")
 
 
-def test_a_damaged_file_leaves_nothing_in_the_cache(checkpoint, tmp_path):
-    """A repo id's shard served damaged: removed from the Hugging Face cache, its blob too (not
-    only the link), so that nothing of it is read later; the next run fetches it again."""
+def sharded_repo(checkpoint, tmp_path):
+    """A stand-in Hub serving a two-shard Qwen/Qwen3-1.7B, and the command that runs a fresh
+    clone of the script on it -> (hub, command)."""
     hub = StandInHub()
     clone = tmp_path / "clone"
     clone.mkdir()
     shutil.copy(ROOT / "llm_inference.py", clone)
+    hub.add_repo("Qwen/Qwen3-1.7B", checkpoint(shards=2, seed=3), SHARDED)
+    return hub, [sys.executable, str(clone / "llm_inference.py"), "-m", "3", "--model",
+                 "Qwen/Qwen3-1.7B"]
+
+
+def test_a_damaged_file_leaves_nothing_in_the_cache(checkpoint, tmp_path):
+    """A repo id's shard served damaged: removed from the Hugging Face cache, its blob too (not
+    only the link), so that nothing of it is read later; the next run fetches it again."""
+    hub, cmd = sharded_repo(checkpoint, tmp_path)
     try:
-        hub.add_repo("Qwen/Qwen3-1.7B", checkpoint(shards=2, seed=3), SHARDED)
         hub.corrupt.add(SHARDED[-1])
-        cmd = [sys.executable, str(clone / "llm_inference.py"), "-m", "3", "--model", "Qwen/Qwen3-1.7B"]
         r = subprocess.run(cmd, env=environment(hub, tmp_path / "hf"), capture_output=True, text=True)
         assert r.returncode == 1 and "damaged on the way, removed" in r.stderr, r.stderr
         damaged = flip(hub.repos["Qwen/Qwen3-1.7B"][SHARDED[-1]])
@@ -80,14 +87,9 @@ def test_a_damaged_file_leaves_nothing_in_the_cache(checkpoint, tmp_path):
 def test_a_repo_id_in_the_cache_without_its_weights(checkpoint, tmp_path):
     """The cache holds a repo's configs but not its weights (an earlier, partial fetch): it is not
     taken as whole; the run fetches what is missing."""
-    hub = StandInHub()
-    clone = tmp_path / "clone"
-    clone.mkdir()
-    shutil.copy(ROOT / "llm_inference.py", clone)
+    hub, cmd = sharded_repo(checkpoint, tmp_path)
     try:
-        hub.add_repo("Qwen/Qwen3-1.7B", checkpoint(shards=2, seed=3), SHARDED)
         hub.status[SHARDED[-1]] = 404
-        cmd = [sys.executable, str(clone / "llm_inference.py"), "-m", "3", "--model", "Qwen/Qwen3-1.7B"]
         r = subprocess.run(cmd, env=environment(hub, tmp_path / "hf"), capture_output=True, text=True)
         assert r.returncode == 1 and "404" in r.stderr
         hub.status.clear()
