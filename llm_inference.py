@@ -671,24 +671,23 @@ class UserError(Exception):
         super().__init__(message)
         self.status = status
 
-def load_checked(model_dir, dtype=None):
-    """load() with every file, config entry and tensor checked first (UserError) -> the config"""
-    cfg = read_configs(model_dir)  # config.json, generation_config.json: CONFIG's entries
-    weights = read_weights(model_dir, cfg, dtype)  # each tensor the model uses, of its right shape
-    tok = read_tokenizer(model_dir, cfg)  # every id a row of the embedding
-    if not (Path(model_dir) / "generation_config.json").exists():  # the article's four files
-        ends = [tok.token_to_id(name) for name in ("<|im_end|>", "<|endoftext|>")]  # Qwen3's EOS
-        cfg["eos_ids"] |= set(ends) - {None}
-    return use(cfg, weights, tok)
-
 HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"  # the default folder: beside
 # the script (the article's is ./Qwen3-0.6B/ from wherever it is started), and where it comes from
 FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "model.safetensors"]
 
-def read_file(path, parse, what):
-    """parse(path) -> what it returns; a file missing, unreadable or broken raises UserError."""
-    path = Path(path)
+def load_checked(model_dir, dtype=None):
+    """load() with every file, config entry and tensor checked first (UserError) -> the config"""
+    folder = Path(model_dir)
+    cfg = read_configs(folder)  # config.json, generation_config.json: CONFIG's entries
+    weights = read_weights(folder, cfg, dtype)  # each tensor the model uses, of its right shape
+    tok = read_tokenizer(folder, cfg)  # every id a row of the embedding
+    if not (folder / "generation_config.json").exists():  # the article's four files: Qwen3's EOS
+        cfg["eos_ids"] |= {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")} - {None}
+    return use(cfg, weights, tok)
+
+def read_file(path, parse=None, what="a file"):
+    """parse(path) (None: its bytes); a file missing, unreadable or broken raises UserError."""
     try:
         open(path, "rb").close()  # missing, a folder, or a file this user may not read?
     except FileNotFoundError:
@@ -696,9 +695,9 @@ def read_file(path, parse, what):
             raise UserError(f"{path} is a broken link to {os.readlink(path)}: download it again")
         raise UserError(f"{path.parent} lacks {path.name}") from None
     except OSError as e:
-        raise UserError(f"{path} cannot be read: {(e.strerror or str(e)).lower()}") from None
+        raise UserError(f"{path} cannot be read: {e.strerror.lower()}") from None
     try:
-        return parse(str(path))
+        return path.read_bytes() if parse is None else parse(str(path))
     except Exception as e:  # whatever the parser says of this file, it is not what we need
         raise UserError(f"{path} is not {what} ({e}); for a fresh copy, delete "
                         f"{os.path.realpath(path)} and download it again") from None
@@ -706,30 +705,24 @@ def read_file(path, parse, what):
 def parse_json(path):
     return json.loads(Path(path).read_text())
 
-def read_bytes(path):
-    return Path(path).read_bytes()
-
 def shown_json(value, most=60):  # a config value in an error line, cut with "..." if long
     text = json.dumps(value)
     return text if len(text) <= most else text[:most - 4] + " ..."
 
-KINDS = {"model": '"qwen3" or "qwen3_5" (dense Qwen3 and Qwen3.5 models)',
-         "layers": 'a list of "linear_attention" and "full_attention"',
-         "count": "a whole number of 1 or more", "even": "an even whole number (RoPE turns pairs)",
-         "positive": "a number more than 0", "bool": "true or false",
-         "ids": "a token id, a list of them or null",
-         "quantization": 'MLX\'s affine quantisation (not "mxfp4", "nvfp4" or "mxfp8")'}
-CONFIG = {  # the config.json entries the model reads -> the kind of value each must hold
-    "model_type": "model", "hidden_size": "count", "intermediate_size": "count",
-    "num_hidden_layers": "count", "num_attention_heads": "count", "num_key_value_heads": "count",
-    "vocab_size": "count", "max_position_embeddings": "count", "head_dim": "even",
-    "rms_norm_eps": "positive", "rope_theta": "positive", "tie_word_embeddings": "bool",
-    "eos_token_id": "ids", "quantization": "quantization"}
-QWEN35_CONFIG = {  # Qwen3.5's own config.json entries (in its text_config) -> their kind
-    "layer_types": "layers", "linear_num_key_heads": "count", "linear_num_value_heads": "count",
-    "linear_key_head_dim": "count", "linear_value_head_dim": "count",
-    "linear_conv_kernel_dim": "count", "partial_rotary_factor": "positive"}
-
+WHOLE = "a whole number of 1 or more"
+CONFIG = {  # the config.json entries the model reads -> what each must hold
+    "model_type": '"qwen3" or "qwen3_5" (dense Qwen3 and Qwen3.5 models)', "hidden_size": WHOLE,
+    "intermediate_size": WHOLE, "num_hidden_layers": WHOLE, "num_attention_heads": WHOLE,
+    "num_key_value_heads": WHOLE, "vocab_size": WHOLE, "max_position_embeddings": WHOLE,
+    "head_dim": "an even whole number (RoPE turns pairs)", "rms_norm_eps": "a number more than 0",
+    "rope_theta": "a number more than 0", "tie_word_embeddings": "true or false",
+    "eos_token_id": "a token id, a list of them or null",
+    "quantization": 'MLX\'s affine quantisation (not "mxfp4", "nvfp4" or "mxfp8")'}
+QWEN35_CONFIG = {  # Qwen3.5's own (in its text_config)
+    "layer_types": 'a list of "linear_attention" and "full_attention", one per layer',
+    "linear_num_key_heads": WHOLE, "linear_num_value_heads": WHOLE, "linear_key_head_dim": WHOLE,
+    "linear_value_head_dim": WHOLE, "linear_conv_kernel_dim": WHOLE,
+    "partial_rotary_factor": "a fraction (0 to 1) of head_dim that is even: RoPE turns pairs"}
 UNSUPPORTED = {  # config.json entries that change the math -> (the value computed here, else what)
     "rope_scaling": (None, "a scaled RoPE (YaRN and its kin)"),
     "attention_bias": (False, "biases in the attention projections"),
@@ -737,21 +730,26 @@ UNSUPPORTED = {  # config.json entries that change the math -> (the value comput
     "use_sliding_window": (False, "sliding-window attention"),
     "quantization_config": (None, "weights quantised in this format")}
 
-def fits(value, kind):
-    """Does a config value have the kind CONFIG names?"""
+def fits(value, kind, cfg):
+    """Does a config value hold what CONFIG says it must?"""
     whole = type(value) is int and value >= 1
-    return {"count": whole, "even": whole and value % 2 == 0, "bool": type(value) is bool,
-            "positive": type(value) in (int, float) and value > 0,
-            "ids": value is None or all(type(i) is int and i >= 0 for i in as_list(value)),
-            "quantization": value is None or isinstance(value, dict)
+    return {WHOLE: whole, CONFIG["head_dim"]: whole and value % 2 == 0,
+            CONFIG["model_type"]: value in ("qwen3", "qwen3_5"),
+            CONFIG["rope_theta"]: type(value) in (int, float) and value > 0,
+            CONFIG["tie_word_embeddings"]: type(value) is bool,
+            CONFIG["eos_token_id"]: all(type(i) is int and i >= 0 for i in as_list(value) if
+                                        i is not None),
+            CONFIG["quantization"]: value is None or isinstance(value, dict)
             and value.get("mode", "affine") == "affine",
-            "layers": isinstance(value, list)
+            QWEN35_CONFIG["layer_types"]: isinstance(value, list)
+            and len(value) == cfg["num_hidden_layers"]
             and all(layer in ("linear_attention", "full_attention") for layer in value),
-            "model": value in ("qwen3", "qwen3_5")}[kind]
+            QWEN35_CONFIG["partial_rotary_factor"]: type(value) in (int, float) and 0 < value <= 1
+            and int(cfg["head_dim"] * value) % 2 == 0}[kind]
 
-def read_configs(model_dir):
+def read_configs(folder):
     """config.json's CONFIG entries, checked, and "eos_ids": its and generation_config.json's."""
-    path, gen_path = Path(model_dir) / "config.json", Path(model_dir) / "generation_config.json"
+    path, gen_path = folder / "config.json", folder / "generation_config.json"
     cfg = read_file(path, parse_json, "valid JSON")
     gen = read_file(gen_path, parse_json, "valid JSON") if gen_path.exists() else {}
     for file, data in [(path, cfg), (gen_path, gen)]:
@@ -769,12 +767,12 @@ def read_configs(model_dir):
         cfg.pop("quantization_config", None)
     entries = {**CONFIG, **QWEN35_CONFIG} if cfg.get("model_type") == "qwen3_5" else CONFIG
     gen = {"eos_token_id": None, **gen}  # generation_config.json's is optional
-    for file, data, kinds in [(path, cfg, entries), (gen_path, gen, {"eos_token_id": "ids"})]:
-        for name, kind in kinds.items():
+    for file, data, kinds in [(path, cfg, entries), (gen_path, gen, {"eos_token_id": ""})]:
+        for name in kinds:
             if name not in data:
                 raise UserError(f"{file} has no '{name}' entry")
-            if not fits(data[name], kind):
-                raise UserError(f"{file}: {name} must be {KINDS[kind]}, "
+            if not fits(data[name], entries[name], cfg):
+                raise UserError(f"{file}: {name} must be {entries[name]}, "
                                 f"not {shown_json(data[name])}")
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
         raise UserError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
@@ -782,9 +780,12 @@ def read_configs(model_dir):
         if cfg.get(name, computed) != computed:
             raise UserError(f"{path}: {name} is {shown_json(cfg[name])}: this script does not run "
                             f"{other}")
+    qwen35 = {}  # Qwen3.5's own entries, and whether it has an MTP head to draft with
+    if cfg["model_type"] == "qwen3_5":
+        qwen35 = {**{name: cfg[name] for name in QWEN35_CONFIG},
+                  "mtp": cfg.get("mtp_num_hidden_layers", 0) > 0}
     eos = set(as_list(cfg["eos_token_id"]) + as_list(gen["eos_token_id"])) - {None}
-    return {**{name: cfg[name] for name in CONFIG}, "eos_ids": eos,
-            "qwen35": qwen35_config(cfg, path)}
+    return {**{name: cfg[name] for name in CONFIG}, "eos_ids": eos, "qwen35": qwen35}
 
 def weight_files(folder):
     """{file: its tensors, None for all}: as model.safetensors.index.json names them, else
@@ -796,10 +797,10 @@ def weight_files(folder):
         files.setdefault(folder / file, []).append(name)
     return files
 
-def read_weights(model_dir, cfg, dtype):
+def read_weights(folder, cfg, dtype):
     """The files -> the tensors the model uses, of the shapes config.json predicts, finite in dtype
     (or their own), read from disk now."""
-    folder, weights, source = Path(model_dir), {}, {}
+    weights, source = {}, {}
     for file, names in weight_files(folder).items():
         tensors = read_file(file, mx.load, "a complete safetensors file")  # lazy: read on use
         for name in tensors if names is None else names:
@@ -808,15 +809,21 @@ def read_weights(model_dir, cfg, dtype):
                                 f"{folder / 'model.safetensors.index.json'} says it holds")
             key = name.replace("language_model.", "", 1)  # Qwen3.5's names, Hugging Face's or MLX's
             weights[key], source[key] = tensors[name], file
-    if cfg["qwen35"]:  # (its norms' 1 is added in the stored dtype, before any cast)
-        weights = qwen35_weights(weights)
-    for name, w in weights.items():  # packed bits stay packed, A_log float32
+    # Hugging Face's Qwen3.5 (its convolution (C, 1, K)) stores its norms, but the DeltaNet's, as
+    # offsets from 1: 1 is added in the stored dtype, as mlx-lm does. mlx-lm's own hold gains.
+    hf = any(name.endswith("conv1d.weight") and w.shape[1] == 1 for name, w in weights.items())
+    for name, w in weights.items():
+        if name.endswith("conv1d.weight"):
+            weights[name] = w.reshape(w.shape[0], -1)                 # (C, K)
+        elif hf and name.endswith(("norm.weight", "norm_embedding.weight", "norm_hidden.weight")) \
+                and ".linear_attn." not in name:
+            weights[name] = w + 1
         if dtype is not None and w.dtype != mx.uint32 and not name.endswith("A_log"):
-            weights[name] = w.astype(dtype)
+            weights[name] = weights[name].astype(dtype)  # packed bits stay packed, A_log float32
     if cfg["tie_word_embeddings"]:  # one table, both ways (a stored copy is not used)
         for part in (".weight", ".scales", ".biases"):  # a quantised table has all three
             weights["lm_head" + part] = weights.get("model.embed_tokens" + part)
-    weights = checked_shapes(weights, cfg, folder)
+    weights = checked_shapes(weights, expected_shapes(cfg, weights), folder)
     for name in [name for name in weights if name.startswith("mtp.layers.0.")]:  # the MTP
         weights[f"model.layers.{cfg['num_hidden_layers']}.{name[13:]}"] = weights[name]  # layer
     # A sum is NaN or inf if any value is (packed words aside; a tied head is its table's).
@@ -827,27 +834,46 @@ def read_weights(model_dir, cfg, dtype):
         if not mx.isfinite(total).item() and not mx.isfinite(weights[name]).all().item():
             why = "the file is damaged; download it again"
             if dtype is not None:  # the cast to dtype made them inf
-                why = f"its values are too large for {dtype_name(dtype)} (float32 holds them)"
+                why = f"its values are too large for {str(dtype)[9:]} (float32 holds them)"
             raise UserError(f"tensor {name} in {source[name]} holds NaN or inf: {why}")
     return weights
 
-def checked_shapes(weights, cfg, folder):
-    """weights, only the tensors the model uses, each of the shape config.json predicts."""
+def expected_shapes(cfg, weights):
+    """The tensors the model uses -> the shapes config.json's sizes give them."""
     d, f, v, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    layer = {"input_layernorm": (d,), "post_attention_layernorm": (d,), "self_attn.q_proj": (q, d),
-             "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
-             "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,), "mlp.gate_proj": (f, d),
-             "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
-    layer = {name + ".weight": shape for name, shape in layer.items()}
+    q, kv, c = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["qwen35"]
+    mlp = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+           "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+           "mlp.down_proj.weight": (d, f)}
+    full = {**mlp, "self_attn.q_proj.weight": (2 * q if c else q, d),  # Qwen3.5's: and its gate
+            "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
+            "self_attn.o_proj.weight": (d, q), "self_attn.q_norm.weight": (hd,),
+            "self_attn.k_norm.weight": (hd,)}
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
               "lm_head.weight": (v, d)}
+    if c:  # Qwen3.5's Gated DeltaNet layers, and its MTP head (all 15 tensors, or none)
+        keys = c["linear_num_key_heads"] * c["linear_key_head_dim"]        # 2048
+        values = c["linear_num_value_heads"] * c["linear_value_head_dim"]  # 2048
+        a, heads = "linear_attn.", (c["linear_num_value_heads"],)
+        delta = {**mlp, a + "in_proj_qkv.weight": (2 * keys + values, d),
+                 a + "in_proj_z.weight": (values, d), a + "in_proj_b.weight": (*heads, d),
+                 a + "in_proj_a.weight": (*heads, d), a + "dt_bias": heads, a + "A_log": heads,
+                 a + "conv1d.weight": (2 * keys + values, c["linear_conv_kernel_dim"]),
+                 a + "norm.weight": (c["linear_value_head_dim"],),
+                 a + "out_proj.weight": (d, values)}
+        if c["mtp"] and any(name.startswith("mtp.") for name in weights):
+            shapes.update({"mtp.fc.weight": (d, 2 * d), "mtp.norm.weight": (d,),
+                           "mtp.pre_fc_norm_embedding.weight": (d,),
+                           "mtp.pre_fc_norm_hidden.weight": (d,),
+                           **{f"mtp.layers.0.{name}": s for name, s in full.items()}})
     for i in range(cfg["num_hidden_layers"]):
-        own = qwen35_shapes(cfg, i, layer) if cfg["qwen35"] else layer
+        own = delta if c and c["layer_types"][i] == "linear_attention" else full
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in own.items()})
-    if cfg["qwen35"] and cfg["qwen35"]["mtp"] and any(n.startswith("mtp.") for n in weights):
-        shapes.update(mtp_shapes(cfg, layer))  # the MTP head: all 15 tensors, or none
-    # MLX's quantised weights: packed words, a scale and a bias per group of a row's numbers.
+    return shapes
+
+def checked_shapes(weights, shapes, folder):
+    """weights, only the tensors the model uses, each of the shape config.json predicts. MLX's
+    quantised ones: packed words, a scale and a bias per group of a row's numbers."""
     for name, shape in list(shapes.items()):
         scales = weights.get(name.replace(".weight", ".scales"))
         if scales is not None and len(shape) == 2 and name in weights:
@@ -866,72 +892,16 @@ def checked_shapes(weights, cfg, folder):
                             f"expected shape {shape}")
     return {name: weights[name] for name in shapes}  # what is never used is dropped
 
-def qwen35_config(cfg, path):
-    """Qwen3.5's entries, checked together -> QWEN35 (for Qwen3: {})."""
-    if cfg["model_type"] != "qwen3_5":
-        return {}
-    rope_dims = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
-    if len(cfg["layer_types"]) != cfg["num_hidden_layers"]:
-        raise UserError(f"{path}: layer_types must name each of the num_hidden_layers layers")
-    if cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"]:
-        raise UserError(f"{path}: linear_num_value_heads must be a multiple of "
-                        "linear_num_key_heads")
-    if rope_dims % 2 or not 0 < rope_dims <= cfg["head_dim"]:
-        raise UserError(f"{path}: head_dim x partial_rotary_factor must be even, at most head_dim")
-    mtp = cfg.get("mtp_num_hidden_layers", 0)
-    if mtp not in (0, 1):  # Qwen3.5's have one
-        raise UserError(f"{path}: mtp_num_hidden_layers must be 0 or 1, not {shown_json(mtp)}")
-    return {**{name: cfg[name] for name in QWEN35_CONFIG}, "mtp": mtp}
-
-def qwen35_weights(weights):
-    """Hugging Face's Qwen3.5 (convolution (C, 1, K)) stores its norms, but the DeltaNet's, as
-    offsets from 1: 1 is added in the stored dtype, as mlx-lm does. mlx-lm's own hold gains."""
-    hf = any(name.endswith("conv1d.weight") and w.shape[1] == 1 for name, w in weights.items())
-    offsets = ("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight",
-               "mtp.norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
-    for name, w in weights.items():
-        if name.endswith("conv1d.weight"):
-            weights[name] = w.reshape(w.shape[0], -1)                 # (C, K)
-        elif hf and name.endswith(offsets):
-            weights[name] = w + 1
-    return weights
-
-def mtp_shapes(cfg, layer):
-    """The MTP head's 15 tensors -> their shapes: fc, 3 norms, a full-attention layer."""
-    d, full = cfg["hidden_size"], cfg["qwen35"]["layer_types"].index("full_attention")
-    own = qwen35_shapes(cfg, full, layer)
-    return {"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,),
-            "mtp.pre_fc_norm_hidden.weight": (d,), "mtp.norm.weight": (d,),
-            **{f"mtp.layers.0.{name}": shape for name, shape in own.items()}}
-
-def qwen35_shapes(cfg, i, layer):
-    """Layer i's tensors -> shapes: a Qwen3 layer's with q_proj twice as tall, or DeltaNet's."""
-    d, c = cfg["hidden_size"], cfg["qwen35"]
-    if c["layer_types"][i] == "full_attention":
-        q = layer["self_attn.q_proj.weight"][0]
-        return {**layer, "self_attn.q_proj.weight": (2 * q, d)}
-    keys = c["linear_num_key_heads"] * c["linear_key_head_dim"]        # 2048
-    values = c["linear_num_value_heads"] * c["linear_value_head_dim"]  # 2048
-    heads, a = (c["linear_num_value_heads"],), "linear_attn."
-    layer = {name: shape for name, shape in layer.items() if not name.startswith("self_attn")}
-    return {**layer, a + "in_proj_qkv.weight": (2 * keys + values, d),
-            a + "in_proj_z.weight": (values, d), a + "in_proj_b.weight": (*heads, d),
-            a + "in_proj_a.weight": (*heads, d), a + "dt_bias": heads, a + "A_log": heads,
-            a + "conv1d.weight": (2 * keys + values, c["linear_conv_kernel_dim"]),
-            a + "norm.weight": (c["linear_value_head_dim"],), a + "out_proj.weight": (d, values)}
-
-def read_tokenizer(model_dir, cfg):
+def read_tokenizer(folder, cfg):
     """tokenizer.json, every id of which (added tokens too) is a row of the embedding table."""
-    path = Path(model_dir) / "tokenizer.json"
+    path = folder / "tokenizer.json"
     tok = read_file(path, Tokenizer.from_file, "a tokenizer that `tokenizers` reads")
     top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
     if top >= cfg["vocab_size"]:
         raise UserError(f"{path} has ids up to {top}, past the {cfg['vocab_size']} rows of the "
-                        f"embedding (vocab_size in {path.parent / 'config.json'}): another model?")
+                        f"embedding (vocab_size in {folder / 'config.json'}): another model?")
     return tok
 
-def dtype_name(dtype):
-    return str(dtype).split(".")[-1]  # bfloat16, not mlx.core.bfloat16
 
 
 # ─── Download: a folder, or the Hugging Face Hub ───
@@ -939,6 +909,7 @@ def dtype_name(dtype):
 def model_folder(model):
     """--model -> its folder; the default folder, or a plain owner/name repo id not whole in the
     Hugging Face cache, downloaded first (a second run asks the Hub nothing)."""
+    from huggingface_hub import try_to_load_from_cache
     path = Path(model).resolve()
     if path.is_file():
         raise UserError(f"{path} is a file, not a folder (a model is a folder)")
@@ -949,23 +920,18 @@ def model_folder(model):
     if not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", model):  # ./x, ../x, a/b/c, x: paths
         raise UserError(f"{path} does not exist (--model takes a folder, or a Hugging Face repo "
                         f"id such as {REPO})")
-    return cached_folder(model) or download(model, None)
+    config = try_to_load_from_cache(model, "config.json")  # its path, or a mark that it is not
+    cached = Path(config).parent if isinstance(config, str) else None
+    return cached if cached and complete(cached) else download(model, None)
 
 def complete(folder):  # does it hold what load_checked() reads? (generation_config.json: optional)
     needed = [folder / "config.json", folder / "tokenizer.json", *weight_files(folder)]
     return all(file.exists() for file in needed)
 
-def cached_folder(repo):
-    """A repo id's folder in the Hugging Face cache, if complete there; else None. Asks nothing."""
-    from huggingface_hub import try_to_load_from_cache
-    config = try_to_load_from_cache(repo, "config.json")  # its path, or a mark that it is not
-    folder = Path(config).parent if isinstance(config, str) else None
-    return folder if folder and complete(folder) else None
-
 def download(repo, local_dir):
-    """Fetch what local_dir (None: the Hugging Face cache) lacks of repo's configs, tokenizer and
-    weights, each file announced first; check them against the Hub's checksums. -> the folder"""
-    from huggingface_hub import HfApi, constants, hf_hub_download, logging
+    """Fetch what local_dir (None: the Hugging Face cache) lacks of repo's configs, template and
+    weights (the default folder: FILES), each file announced first; then the Hub's checksums."""
+    from huggingface_hub import HfApi, constants, hf_hub_download, logging, try_to_load_from_cache
     logging.set_verbosity_warning()  # its retries show, a line each
     warnings.filterwarnings("ignore", module="huggingface_hub")  # "not enough free disk space"
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: huggingface_hub tidies up
@@ -973,68 +939,52 @@ def download(repo, local_dir):
     print(f"{repo}: asking {constants.ENDPOINT} which files to fetch into {into}",
           file=sys.stderr, flush=True)
     try:
-        sizes = files_to_fetch(api, repo, local_dir)
-        for name, size in sizes.items():
-            path = present(repo, name, local_dir)
-            if path is None:
-                print(f"{name}: {tqdm.format_sizeof(size)}B from {constants.ENDPOINT}/{repo} "
+        files = {f.path: f.size for f in api.list_repo_tree(repo) if hasattr(f, "size")}
+        if not any(name.endswith(".safetensors") for name in files):
+            raise UserError(f"{repo} has no model.safetensors: this script runs safetensors "
+                            f"checkpoints (the repo holds {', '.join(list(files)[:7])})")
+        wanted = [name for name in files if re.fullmatch(r"[^/]+\.(json|jinja|safetensors)", name)
+                  and (local_dir is None or name in FILES)]
+        for name in wanted:
+            path = local_dir / name if local_dir else try_to_load_from_cache(repo, name)  # or a mark
+            if not isinstance(path, (str, Path)) or not Path(path).exists():  # not from a last run
+                print(f"{name}: {tqdm.format_sizeof(files[name])}B from {constants.ENDPOINT}/{repo} "
                       f"into {into}", file=sys.stderr, flush=True)
                 path = fetched[name] = Path(hf_hub_download(repo, name, local_dir=local_dir))
         name = "the checksums"
-        if fetched:
-            verify(api, repo, local_dir, fetched)
+        for bad in api.verify_repo_checksums(repo, local_dir=local_dir).mismatches if fetched else []:
+            damaged = fetched.get(bad["path"])
+            if damaged:  # removed: in the cache, the blob the link names, and the link
+                os.remove(os.path.realpath(damaged))
+                damaged.unlink(missing_ok=True)
+                raise UserError(f"{damaged} is not the file the Hub announced ({bad['algorithm']} "
+                                f"{bad['actual'][:12]}..., not {bad['expected'][:12]}...): damaged "
+                                "on the way, removed; run again to fetch it")
     except KeyboardInterrupt:
         raise UserError(f"the download was interrupted during {name}; run the same command "
                         "again: it keeps the files already complete and fetches the rest (a file "
                         "begun, from its start)", 130) from None
     except Exception as e:  # the Hub's, the network's or the disk's, else a bug: its traceback
-        why = download_trouble(e, local_dir or constants.HF_HUB_CACHE)
+        why = download_trouble(e, into)
         if why is None:
             raise
+        command = f"hf download {repo} {' '.join(FILES)} --local-dir {shlex.quote(str(into))}"
+        if local_dir is None:
+            command = f'hf download {repo} --include "*.json" --include "*.jinja" --include ' \
+                '"*.safetensors"'
         raise UserError(f"could not download {name} of {repo}: {why}. To fetch it by hand, run "
-                        f"this, then the same command again: {hand_command(repo, local_dir)}"
-                        ) from None
+                        f"this, then the same command again: {command}") from None
     finally:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-    return path.parent
-
-def files_to_fetch(api, repo, local_dir):
-    """The repo's top-level configs, template and safetensors weights (the default folder: FILES
-    of them) -> {name: size}"""
-    files = {f.path: f.size for f in api.list_repo_tree(repo) if hasattr(f, "size")}
-    if not any(name.endswith(".safetensors") for name in files):
-        raise UserError(f"{repo} has no model.safetensors: this script runs safetensors "
-                        f"checkpoints (the repo holds {', '.join(list(files)[:7])})")
-    wanted = r"[^/]+\.(json|jinja|safetensors)"
-    return {name: size for name, size in files.items() if re.fullmatch(wanted, name)
-            and (local_dir is None or name in FILES)}
-
-def present(repo, name, local_dir):  # a file there from an earlier run -> its path, else None
-    from huggingface_hub import try_to_load_from_cache
-    path = local_dir / name if local_dir else try_to_load_from_cache(repo, name)  # or a mark
-    return Path(path) if isinstance(path, (str, Path)) and Path(path).exists() else None
-
-def verify(api, repo, local_dir, fetched):
-    """The files fetched now against the Hub's checksums; a mismatch removes the file: UserError."""
-    result = api.verify_repo_checksums(repo, local_dir=local_dir)
-    for bad in [m for m in result.mismatches if m["path"] in fetched]:
-        path = fetched[bad["path"]]
-        os.remove(os.path.realpath(path))  # in the cache, the blob the link names
-        path.unlink(missing_ok=True)
-        raise UserError(f"{path} is not the file the Hub announced ({bad['algorithm']} "
-                        f"{bad['actual'][:12]}..., not {bad['expected'][:12]}...): damaged on the "
-                        "way, removed; run again to fetch it")
-
-def causes(error):  # an exception and what it was raised from, or while handling
-    while error is not None:
-        yield error
-        error = error.__cause__ or error.__context__
+    return Path(path).parent
 
 def download_trouble(error, into):
-    """What stopped a download, in a few words (None: none of these, a bug)."""
+    """What stopped a download, in a few words (None: none of these, a bug): the first such cause
+    of the error, or of what it was raised from or while handling."""
     from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-    for e in causes(error):
+    while error is not None:
+        e, error = error, error.__cause__ or error.__context__
         if isinstance(e, HfHubHTTPError) and e.response is not None:
             return f"the Hub answered {e.response.status_code} {e.response.reason_phrase}"
         if isinstance(e, OfflineModeIsEnabled):
@@ -1052,10 +1002,6 @@ def download_trouble(error, into):
             return f"{e.filename} cannot be written: {e.strerror.lower()}"
     return None
 
-def hand_command(repo, local_dir):  # what download() does, as a shell command
-    if local_dir is not None:
-        return f"hf download {repo} {' '.join(FILES)} --local-dir {shlex.quote(str(local_dir))}"
-    return f'hf download {repo} --include "*.json" --include "*.jinja" --include "*.safetensors"'
 
 # ─── Chat and --explain: the text as it comes, the template, the steps inside ───
 
@@ -1078,13 +1024,6 @@ def chat_prompt(turns, system=None, think=True):
         text += f"<|im_start|>{role}\n{turn}<|im_end|>\n"
     thinking = "<think>\n" if MODEL == "qwen3_5" else ""  # off: an empty think block, in both
     return text + "<|im_start|>assistant\n" + (thinking if think else "<think>\n\n</think>\n\n")
-
-def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
-    return partial(sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                   min_p=args.min_p)
-
-def chat_prompt_ids(turns, args):
-    return tokenize(chat_prompt(turns, args.system, not args.no_think))
 
 def shared_positions(cached_ids, prompt_ids):
     """Cached positions a new prompt keeps: the common prefix, short of the prompt's last token."""
@@ -1117,16 +1056,16 @@ def logit_lens(hidden):
 def bar_row(label, token, p):  # a row of a probability table: 30 blocks for p = 1
     return f"{label:>10} {shown(token):>18} {p:<8.4g}{'█' * round(30 * p)}"
 
-def explain(prompt_ids, hidden):
-    """--explain: the steps inside the model for this prompt (hidden: x after each block)."""
+def explain(prompt_ids, hidden, logits, cache, start, k):
+    """--explain: the tokens, the answer forming block by block (hidden: x after each), the top k
+    next tokens, then where the prompt's last token looks in each attention block."""
     print("tokens:", ", ".join(f"{shown(t)} {t}" for t in prompt_ids))
     print(f"embedding: {embed(prompt_ids).shape}")
     print("the answer forming: the likeliest next token after block i; then the model's top K")
     for i, (token, p) in enumerate(logit_lens(hidden), 1):
         print(bar_row(f"block {i}", token, p))
-
-def explain_looks(prompt_ids, hidden, cache, start):
-    """--explain, after the top K: where the prompt's last token looks, block by block."""
+    for token, p in top_tokens(logits, k):
+        print(bar_row("", token, p))
     print("where the last token looks: each attention block's 3 heaviest tokens of the prompt "
           "(averaged over heads)")
     for i, weights in attention_looks(prompt_ids, hidden, cache, start):
@@ -1135,10 +1074,10 @@ def explain_looks(prompt_ids, hidden, cache, start):
         for n, j in enumerate(top):
             print(bar_row(f"block {i}" if n == 0 else "", prompt_ids[j], weights[j]))
         print(f"{'':>10} {'rest':>18} {1 - sum(weights[j] for j in top):<8.4g}")
-    kinds = QWEN35.get("layer_types", [])
-    if "linear_attention" in kinds:
-        blocks = [str(i) for i, kind in enumerate(kinds, 1) if kind == "linear_attention"]
-        print(f"blocks {', '.join(blocks)}: Gated DeltaNet, compressed notes: no such weights")
+    delta = [str(i) for i, kind in enumerate(QWEN35.get("layer_types", []), 1)
+             if kind == "linear_attention"]
+    if delta:
+        print(f"blocks {', '.join(delta)}: Gated DeltaNet, compressed notes: no such weights")
 
 def attention_looks(prompt_ids, hidden, cache, start=0):
     """Where the prompt's last token looks, in each full-attention block: Step 5's own attend()
@@ -1161,26 +1100,22 @@ def attention_looks(prompt_ids, hidden, cache, start=0):
     return looks
 
 def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
-    """One completion: --explain and --show-probs, then the text as it comes (after echo) and the
+    """One completion: --explain or --show-probs, then the text as it comes (after echo) and the
     statistics (--quiet: the text alone) -> generated, the new ids, each added as it is printed.
-    The prompt goes into the cache once; generate() continues from it. keep: (position, list):
-    the list is given the cache as it is at that position of the prompt."""
+    keep: (position, list): the list is given the cache as it is at that position of the prompt."""
     held = start + len(prompt_ids)
     if held >= MAX_POS:
         raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
     if held + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
-    blocks, counts = [] if args.explain else None, {}  # blocks: x after each, for --explain
-    tic = time.perf_counter()
+    blocks, counts, tic = [] if args.explain else None, {}, time.perf_counter()  # x after each
     mark, saved = keep or (start, None)  # the prompt in two parts, the cache kept between
     head, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
     hidden = hidden_pass(head, cache, start) if args.draft and head else None  # the MTP head's
     if head and not args.draft:
         prefill(head, cache, start)                                   # its logits never computed
-    # Kept at the mark: a DeltaNet state is a new array at every token; the KV buffers are
-    # written over after the mark, before anything reads them.
-    if saved is not None:
-        mx.eval(cache)
+    if saved is not None:  # a DeltaNet state is a new array at every token; the KV buffers are
+        mx.eval(cache)     # written over after the mark before anything reads them
         saved[:] = list(cache)
     if args.draft:  # every token's hidden state kept, for the MTP head
         more = hidden_pass(rest, cache, mark, blocks)                 # (L, 1024)
@@ -1189,21 +1124,19 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
     else:
         logits = prefill(rest, cache, mark, blocks)                   # (vocab,)
     if args.explain:
-        explain(prompt_ids, blocks)
-    if args.explain or args.show_probs:
-        for token, p in top_tokens(logits, args.show_probs or 5):
+        explain(prompt_ids, blocks, logits, cache, start, args.show_probs or 5)
+    elif args.show_probs:
+        for token, p in top_tokens(logits, args.show_probs):
             print(bar_row("", token, p))
-    if args.explain:
-        explain_looks(prompt_ids, blocks, cache, start)
     if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
         raise not_finite("after the prompt", logits.dtype)
     print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
-    generated, t_first = [] if generated is None else generated, None
+    generated, t_first, sampler = [] if generated is None else generated, None, sampler_of(args)
     if args.draft:
-        tokens = generate_draft(prompt_ids, args.max_tokens, sampler_of(args), args.draft,
+        tokens = generate_draft(prompt_ids, args.max_tokens, sampler, args.draft,
                                 args.num_draft_tokens, cache, start, hidden, counts)
     else:
-        tokens = generate(prompt_ids, args.max_tokens, sampler_of(args), cache, start, logits)
+        tokens = generate(prompt_ids, args.max_tokens, sampler, cache, start, logits)
     for token, piece in stream_text(tokens):
         t_first = t_first or time.perf_counter()  # the first token ends the prefill
         generated.append(token)
@@ -1211,12 +1144,12 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
     if args.quiet:
         print(flush=True)
         return generated
-    read = print_stats(len(prompt_ids), len(generated), tic, t_first or time.perf_counter(), cache,
+    rate = print_stats(len(prompt_ids), len(generated), tic, t_first or time.perf_counter(), cache,
                        held)
     if args.explain:  # the limit decoding works against: what the memory can move
         speed = bandwidth()
         print(f"Memory: this machine copies {speed / 1e9:.1f} GB/s (a 268 MB array, read and "
-              f"written, timed): decoding read {100 * read / speed:.1f}% of it", flush=True)
+              f"written, timed): decoding read {100 * rate / speed:.1f}% of it", flush=True)
     if args.draft:  # after mlx-lm's lines: what drafting did
         by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
         share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
@@ -1224,21 +1157,22 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
               f"{share}", flush=True)
     return generated
 
+def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
+    return partial(sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                   min_p=args.min_p)
+
 def print_stats(n_prompt, n, tic, t_first, cache, held):
     """mlx_lm.generate's lines (the prompt's rate: to the first token), then the KV cache's and
     the bytes a token reads -> the bytes a second decoding read."""
-    t_end = time.perf_counter()
-    rate = max(n - 1, 0) / max(t_end - t_first, 1e-9)                 # tokens a second
+    rate = max(n - 1, 0) / max(time.perf_counter() - t_first, 1e-9)  # tokens a second
     print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (t_first - tic):.3f} "
-          "tokens-per-sec")
-    print(f"Generation: {n} tokens, {rate:.3f} tokens-per-sec")
-    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-    print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
-          f"({cache_bytes(cache) / 1e6:.3f} MB allocated)", flush=True)
+          f"tokens-per-sec\nGeneration: {n} tokens, {rate:.3f} tokens-per-sec\nPeak memory: "
+          f"{mx.get_peak_memory() / 1e9:.3f} GB\nKV cache: {held + n} positions, "
+          f"{cache_bytes(cache, held + n) / 1e6:.3f} MB ({cache_bytes(cache) / 1e6:.3f} MB "
+          "allocated)")
     if MODEL == "qwen3_5":  # the other memory
-        states = cache_bytes(cache, kind="linear_attention")
         print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
-              f"{states / 1e6:.3f} MB at any length", flush=True)
+              f"{cache_bytes(cache, kind='linear_attention') / 1e6:.3f} MB at any length")
     weights, memory = token_bytes(cache, held + n)
     print(f"Bytes per token: {weights / 1e6:.3f} MB of weights + {memory / 1e6:.3f} MB of cache, "
           f"{(weights + memory) * rate / 1e9:.3f} GB/s at {rate:.3f} tokens-per-sec", flush=True)
@@ -1256,9 +1190,8 @@ def token_bytes(cache, held):
 def bandwidth(size=2**28):
     """This machine's memory speed, bytes a second: a size-byte array read and written back once
     (x + 1), timed, the best of 3; a quarter of a second on a laptop."""
-    x = mx.zeros(size // 4)
+    x, best = mx.zeros(size // 4), math.inf
     mx.eval(x)
-    best = math.inf
     for _ in range(3):
         tic = time.perf_counter()
         mx.eval(x + 1)
@@ -1269,8 +1202,7 @@ def reply_batch(texts, prompts, args):
     """Several prompts (their texts and ids), one continuous batch (generate_batch()): each
     completion after its prompt, in the prompts' order (--quiet: the completions alone); at a
     terminal, a progress line meanwhile; then the batch's statistics."""
-    longest = max(len(ids) for ids in prompts)
-    if longest + args.max_tokens > MAX_POS:
+    if max(len(ids) for ids in prompts) + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
     tic, done, ended = time.perf_counter(), [[] for _ in prompts], []
     for n, (i, token) in enumerate(generate_batch(prompts, args.max_tokens, sampler_of(args),
@@ -1280,35 +1212,24 @@ def reply_batch(texts, prompts, args):
             print(f"\r[{len(ended)} of {len(prompts)} prompts done, {n} tokens]", end="",
                   file=sys.stderr, flush=True)
     seconds = time.perf_counter() - tic
-    if sys.stderr.isatty():
-        print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+    print("\r\x1b[K" if sys.stderr.isatty() else "", end="", file=sys.stderr, flush=True)
     for text, ids in zip(texts, done):
         completion = "".join(piece for _, piece in stream_text(ids))  # as a single run prints it
-        label = f">> {text}\n" if args.chat else text
-        print(completion if args.quiet else "=" * 10 + "\n" + label + completion)
+        print(completion if args.quiet else "=" * 10 + "\n" + (f">> {text}\n" if args.chat else
+                                                              text) + completion)
     if args.quiet:
         return
-    n = sum(len(ids) for ids in done)
-    print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
-          f"--batch-size {args.batch_size}")
-    print(f"Generation: {n} tokens, {n / seconds:.3f} tokens-per-sec (all rows, prefills included)")
-    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-    held = sum(positions for _, positions in ended)  # each sequence's cache as it ended
+    n, held = sum(len(ids) for ids in done), sum(positions for _, positions in ended)
     full = N_LAYERS - sum(deltanet(i) for i in range(N_LAYERS))  # its layers with keys and values
     kv = held * full * 2 * N_KV * D_HEAD * W["model.norm.weight"].dtype.size
-    print(f"KV cache: {held} positions in {len(ended)} sequences, {kv / 1e6:.3f} MB (each as it "
-          f"ended; at most --batch-size of them held at once)", flush=True)
     rows = min(args.batch_size, len(prompts))  # a token of each row shares one read of the weights
-    print(f"Bytes per token, a row of {rows}: {token_bytes([], 0)[0] / rows / 1e6:.3f} MB of "
-          f"weights + {kv / len(ended) / 1e6:.3f} MB of cache (its mean at the end)", flush=True)
-    if MODEL == "qwen3_5":
-        c, width = QWEN35, QWEN35["linear_conv_kernel_dim"]  # conv_state and state, per layer
-        channels = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + \
-            c["linear_num_value_heads"] * c["linear_value_head_dim"]
-        one = (width - 1) * channels * W["model.norm.weight"].dtype.size + \
-            c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"] * 4
-        print(f"DeltaNet state: {N_LAYERS - full} layers x {len(ended)} sequences, "
-              f"{(N_LAYERS - full) * len(ended) * one / 1e6:.3f} MB", flush=True)
+    print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
+          f"--batch-size {args.batch_size}\nGeneration: {n} tokens, {n / seconds:.3f} "
+          f"tokens-per-sec (all rows, prefills included)\nPeak memory: "
+          f"{mx.get_peak_memory() / 1e9:.3f} GB\nKV cache: {held} positions in {len(ended)} "
+          f"sequences, {kv / 1e6:.3f} MB (each as it ended; at most --batch-size of them held at "
+          f"once)\nBytes per token, a row of {rows}: {token_bytes([], 0)[0] / rows / 1e6:.3f} MB "
+          f"of weights + {kv / len(ended) / 1e6:.3f} MB of cache (its mean at the end)", flush=True)
 
 def converse(args):
     """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:
@@ -1324,11 +1245,14 @@ def converse(args):
         signal.signal(signal.SIGINT, signal.default_int_handler)
     turns, cache, cached_ids, saved, mark = [], [None] * N_LAYERS, [], None, 0
     while True:
-        line = read_line(at_terminal)
-        if not line:  # an empty line, or the end of the input
+        try:  # a line typed at the ">> " prompt, or read from a pipe
+            line = input(">> ") if at_terminal else as_text(sys.stdin.buffer.readline())
+        except EOFError:  # Ctrl-D
+            return print()
+        turns.append(line.rstrip("\r\n"))
+        if not turns[-1]:  # an empty line, or the end of the input
             return
-        turns.append(line)
-        prompt_ids = chat_prompt_ids(turns, args)
+        prompt_ids = tokenize(chat_prompt(turns, args.system, not args.no_think))
         reused = shared_positions(cached_ids, prompt_ids)
         if MODEL == "qwen3_5" and reused < len(cached_ids):
             # A DeltaNet's notes cannot be cut back: go on from the ones kept at the mark.
@@ -1349,19 +1273,9 @@ def converse(args):
             # Ctrl-C: the answer stops. The cache may hold a token more than was printed (Step 9),
             # so it is trusted as far as sure, and -1 (no id) sends a DeltaNet back to the mark.
             print(flush=True)
-            sure = prompt_ids + generated[:-1] if generated else prompt_ids[:reused]
-            cached_ids = sure + [-1]
+            cached_ids = (prompt_ids + generated[:-1] if generated else prompt_ids[:reused]) + [-1]
         turns.append(TOK.decode(generated))
 
-def read_line(at_terminal):
-    """The next line of the chat: typed at the ">> " prompt, or read from a pipe; "" at the end."""
-    if not at_terminal:
-        return as_text(sys.stdin.buffer.readline()).rstrip("\r\n")
-    try:
-        return input(">> ")
-    except EOFError:  # Ctrl-D
-        print()
-        return ""
 
 # ─── The command line: flags, prompts, main() ───
 
@@ -1435,10 +1349,8 @@ def read_prompts(args):
         raise UserError("standard output is closed: there is nowhere to print the text")
     if sys.stdin is None and ("-" in texts or args.chat and not texts and not args.prompts):
         raise UserError("standard input is closed: there is nothing to read the prompt from")
-    # Standard input closed (<&-): a file opened next would get descriptor 0, which MLX's
-    # safetensors reader takes for a failure; fill it first.
-    if sys.stdin is None:
-        os.open(os.devnull, os.O_RDONLY)
+    if sys.stdin is None:  # closed (<&-): a file opened next would get descriptor 0, which MLX's
+        os.open(os.devnull, os.O_RDONLY)  # safetensors reader takes for a failure: fill it first
     texts = [as_text(sys.stdin.buffer.read()) if text == "-" else text for text in texts]
     for flag, text in [("--prompt", text) for text in texts] + [("--system", args.system)]:
         if text is not None:  # bytes that are not UTF-8 reach Python as lone surrogates
@@ -1446,7 +1358,7 @@ def read_prompts(args):
     if "" in texts:
         raise UserError("the prompt is empty (see --help)")
     if args.prompts is not None:
-        lines = read_file(args.prompts, read_bytes, "a file").splitlines()
+        lines = read_file(Path(args.prompts)).splitlines()
         texts += [as_text(line, args.prompts) for line in lines if line.strip()]
         if not lines or not texts:
             raise UserError(f"{args.prompts} has no prompt (one a line)")
@@ -1469,7 +1381,7 @@ def summary(folder, cfg):
         name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {head})"
         layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
     return (f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
-            f"{size}, {dtype_name(W['model.norm.weight'].dtype)}")
+            f"{size}, {str(W['model.norm.weight'].dtype)[9:]}")  # "mlx.core." cut
 
 def main(argv=None):
     args = parse_args(argv)
@@ -1488,7 +1400,8 @@ def main(argv=None):
     prompts = None  # --chat without a prompt: a conversation
     if texts[0] is not None or not args.chat:  # each prompt checked before any output
         texts = [text or "The capital of France is" for text in texts]
-        prompts = [chat_prompt_ids([t], args) if args.chat else tokenize(t) for t in texts]
+        prompts = [tokenize(chat_prompt([t], args.system, not args.no_think)) if args.chat
+                   else tokenize(t) for t in texts]
         longest = max(len(ids) for ids in prompts)
         if longest >= MAX_POS:
             raise UserError(f"a prompt is {longest} tokens; the context holds {MAX_POS}")

@@ -251,12 +251,11 @@ def test_chat_prompt_is_qwen35_template(qwen35, system, think):
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"layer_types": ["linear_attention"] * 3}, "layer_types must name each of the num_hidden_layers layers"),
+    ({"layer_types": ["linear_attention"] * 3}, "layer_types must be a list of"),  # 4 layers
     ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]}, 'layer_types must be a list of'),
-    ({"linear_num_value_heads": 3}, "linear_num_value_heads must be a multiple of linear_num_key_heads"),
     ({"linear_conv_kernel_dim": None}, "has no 'linear_conv_kernel_dim' entry"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.3}},
-     "head_dim x partial_rotary_factor must be even"),  # 32 x 0.3: 9 dimensions
+     "partial_rotary_factor must be a fraction (0 to 1) of head_dim that is even"),  # 32 x 0.3: 9
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0,
                                           "partial_rotary_factor": 0.25}}, "rope_scaling"),
 ])
@@ -267,6 +266,15 @@ def test_config_errors(qwen35, tmp_path, change, needle):
     config["text_config"] = {k: v for k, v in config["text_config"].items() if v is not None}
     (folder / "config.json").write_text(json.dumps(config))
     assert_error(run_cli("--model", str(folder)), str(folder / "config.json"), needle)
+
+
+def test_value_heads_that_do_not_fit_the_weights(qwen35, tmp_path):
+    """config.json's DeltaNet sizes predict its tensors' shapes: 3 value heads, not the 4 stored."""
+    folder = Path(shutil.copytree(qwen35(), tmp_path / "model"))
+    config = li.parse_json(folder / "config.json")
+    config["text_config"]["linear_num_value_heads"] = 3
+    (folder / "config.json").write_text(json.dumps(config))
+    assert_error(run_cli("--model", str(folder)), "linear_attn.in_proj_qkv.weight has shape")
 
 
 def test_missing_deltanet_tensor(qwen35, tmp_path):
