@@ -945,16 +945,16 @@ def download(repo, local_dir):
                             f"checkpoints (the repo holds {', '.join(list(files)[:7])})")
         wanted = [name for name in files if re.fullmatch(r"[^/]+\.(json|jinja|safetensors)", name)
                   and (local_dir is None or name in FILES)]
-        for name in wanted:
-            path = local_dir / name if local_dir else try_to_load_from_cache(repo, name)  # or a mark
-            if not isinstance(path, (str, Path)) or not Path(path).exists():  # not from a last run
-                print(f"{name}: {tqdm.format_sizeof(files[name])}B from {constants.ENDPOINT}/{repo} "
-                      f"into {into}", file=sys.stderr, flush=True)
+        for name in wanted:  # each: there from an earlier run (a path), or not (a mark), or fetched
+            path = local_dir / name if local_dir else try_to_load_from_cache(repo, name)
+            if not isinstance(path, (str, Path)) or not Path(path).exists():
+                print(f"{name}: {tqdm.format_sizeof(files[name])}B from {constants.ENDPOINT}/"
+                      f"{repo} into {into}", file=sys.stderr, flush=True)
                 path = fetched[name] = Path(hf_hub_download(repo, name, local_dir=local_dir))
         name = "the checksums"
-        for bad in api.verify_repo_checksums(repo, local_dir=local_dir).mismatches if fetched else []:
+        for bad in api.verify_repo_checksums(repo, local_dir=local_dir).mismatches:
             damaged = fetched.get(bad["path"])
-            if damaged:  # removed: in the cache, the blob the link names, and the link
+            if damaged:  # fetched now: removed (in the cache, the blob the link names, and it)
                 os.remove(os.path.realpath(damaged))
                 damaged.unlink(missing_ok=True)
                 raise UserError(f"{damaged} is not the file the Hub announced ({bad['algorithm']} "
@@ -1166,10 +1166,11 @@ def print_stats(n_prompt, n, tic, t_first, cache, held):
     the bytes a token reads -> the bytes a second decoding read."""
     rate = max(n - 1, 0) / max(time.perf_counter() - t_first, 1e-9)  # tokens a second
     print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (t_first - tic):.3f} "
-          f"tokens-per-sec\nGeneration: {n} tokens, {rate:.3f} tokens-per-sec\nPeak memory: "
-          f"{mx.get_peak_memory() / 1e9:.3f} GB\nKV cache: {held + n} positions, "
-          f"{cache_bytes(cache, held + n) / 1e6:.3f} MB ({cache_bytes(cache) / 1e6:.3f} MB "
-          "allocated)")
+          "tokens-per-sec")
+    print(f"Generation: {n} tokens, {rate:.3f} tokens-per-sec")
+    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
+          f"({cache_bytes(cache) / 1e6:.3f} MB allocated)")
     if MODEL == "qwen3_5":  # the other memory
         print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
               f"{cache_bytes(cache, kind='linear_attention') / 1e6:.3f} MB at any length")
@@ -1224,12 +1225,14 @@ def reply_batch(texts, prompts, args):
     kv = held * full * 2 * N_KV * D_HEAD * W["model.norm.weight"].dtype.size
     rows = min(args.batch_size, len(prompts))  # a token of each row shares one read of the weights
     print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
-          f"--batch-size {args.batch_size}\nGeneration: {n} tokens, {n / seconds:.3f} "
-          f"tokens-per-sec (all rows, prefills included)\nPeak memory: "
-          f"{mx.get_peak_memory() / 1e9:.3f} GB\nKV cache: {held} positions in {len(ended)} "
-          f"sequences, {kv / 1e6:.3f} MB (each as it ended; at most --batch-size of them held at "
-          f"once)\nBytes per token, a row of {rows}: {token_bytes([], 0)[0] / rows / 1e6:.3f} MB "
-          f"of weights + {kv / len(ended) / 1e6:.3f} MB of cache (its mean at the end)", flush=True)
+          f"--batch-size {args.batch_size}")
+    print(f"Generation: {n} tokens, {n / seconds:.3f} tokens-per-sec (all rows, prefills included)")
+    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    print(f"KV cache: {held} positions in {len(ended)} sequences, {kv / 1e6:.3f} MB (each as it "
+          "ended; at most --batch-size of them held at once)")
+    print(f"Bytes per token, a row of {rows}: {token_bytes([], 0)[0] / rows / 1e6:.3f} MB of "
+          f"weights + {kv / len(ended) / 1e6:.3f} MB of keys and values (their mean at the end)",
+          flush=True)
 
 def converse(args):
     """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:
@@ -1345,10 +1348,6 @@ def parse_args(argv):
 def read_prompts(args):
     """Each --prompt's text ("-": stdin's), then --prompts FILE's lines, checked; [None]: none."""
     texts = args.prompt or []
-    if sys.stdout is None:  # started with it closed (>&-): print() would drop the text silently
-        raise UserError("standard output is closed: there is nowhere to print the text")
-    if sys.stdin is None and ("-" in texts or args.chat and not texts and not args.prompts):
-        raise UserError("standard input is closed: there is nothing to read the prompt from")
     if sys.stdin is None:  # closed (<&-): a file opened next would get descriptor 0, which MLX's
         os.open(os.devnull, os.O_RDONLY)  # safetensors reader takes for a failure: fill it first
     texts = [as_text(sys.stdin.buffer.read()) if text == "-" else text for text in texts]
@@ -1428,8 +1427,3 @@ if __name__ == "__main__":
     except FloatingPointError as e:  # not_finite()'s: the logits overflowed the dtype
         print(f"error: {e} (--dtype float32)", file=sys.stderr)
         sys.exit(1)
-    except OSError as e:  # print() on a full disk (> /dev/full); downloads name their own
-        if e.errno != errno.ENOSPC:
-            raise
-        print(f"error: standard output cannot be written: {e.strerror.lower()}", file=sys.stderr)
-        os._exit(1)  # at exit Python would flush the same text again, and fail again

@@ -347,10 +347,9 @@ def test_a_folder_that_cannot_be_written(hub, fresh_clone, kind):
 
 
 def test_standard_output_on_a_full_disk(checkpoint):
-    """> /dev/full: one line on stderr, exit status 1 (and `| head` still ends quietly: tested in
-    test_cli_errors.py)."""
+    """> /dev/full: a rare case left to Python's own error (issue 35): exit status 1, the cause
+    named (and `| head` still ends quietly: tested in test_cli_errors.py)."""
     with open("/dev/full", "w") as full:
         r = subprocess.run([sys.executable, str(ROOT / "llm_inference.py"), "--model", str(checkpoint()),
                             "-m", "3"], stdout=full, stderr=subprocess.PIPE, timeout=120)
-    assert r.returncode == 1 and r.stderr.decode() == ("error: standard output cannot be written: "
-                                                       "no space left on device\n")
+    assert r.returncode == 1 and "No space left on device" in r.stderr.decode()
