@@ -722,7 +722,8 @@ QWEN35_CONFIG = {  # Qwen3.5's own (in its text_config)
     "layer_types": 'a list of "linear_attention" and "full_attention", one per layer',
     "linear_num_key_heads": WHOLE, "linear_num_value_heads": WHOLE, "linear_key_head_dim": WHOLE,
     "linear_value_head_dim": WHOLE, "linear_conv_kernel_dim": WHOLE,
-    "partial_rotary_factor": "a fraction (0 to 1) of head_dim that is even: RoPE turns pairs"}
+    "partial_rotary_factor": "a fraction (0 to 1) of head_dim that is even: RoPE turns pairs",
+    "mtp_num_hidden_layers": "0 or 1 (an MTP head, or none)"}
 UNSUPPORTED = {  # config.json entries that change the math -> (the value computed here, else what)
     "rope_scaling": (None, "a scaled RoPE (YaRN and its kin)"),
     "attention_bias": (False, "biases in the attention projections"),
@@ -731,21 +732,21 @@ UNSUPPORTED = {  # config.json entries that change the math -> (the value comput
     "quantization_config": (None, "weights quantised in this format")}
 
 def fits(value, kind, cfg):
-    """Does a config value hold what CONFIG says it must?"""
-    whole = type(value) is int and value >= 1
+    """Does a config value hold what CONFIG says it must (kind)? cfg: its entries checked so far."""
+    whole, number = type(value) is int and value >= 1, type(value) in (int, float) and value > 0
+    if kind == QWEN35_CONFIG["layer_types"]:  # (Qwen3.5's entries are checked after CONFIG's)
+        return isinstance(value, list) and len(value) == cfg["num_hidden_layers"] \
+            and all(layer in ("linear_attention", "full_attention") for layer in value)
+    if kind == QWEN35_CONFIG["partial_rotary_factor"]:
+        return number and int(cfg["head_dim"] * value) in range(2, cfg["head_dim"] + 1, 2)
     return {WHOLE: whole, CONFIG["head_dim"]: whole and value % 2 == 0,
-            CONFIG["model_type"]: value in ("qwen3", "qwen3_5"),
-            CONFIG["rope_theta"]: type(value) in (int, float) and value > 0,
+            CONFIG["rope_theta"]: number, CONFIG["model_type"]: value in ("qwen3", "qwen3_5"),
             CONFIG["tie_word_embeddings"]: type(value) is bool,
-            CONFIG["eos_token_id"]: all(type(i) is int and i >= 0 for i in as_list(value) if
-                                        i is not None),
+            CONFIG["eos_token_id"]: value is None
+            or all(type(i) is int and i >= 0 for i in as_list(value)),
             CONFIG["quantization"]: value is None or isinstance(value, dict)
             and value.get("mode", "affine") == "affine",
-            QWEN35_CONFIG["layer_types"]: isinstance(value, list)
-            and len(value) == cfg["num_hidden_layers"]
-            and all(layer in ("linear_attention", "full_attention") for layer in value),
-            QWEN35_CONFIG["partial_rotary_factor"]: type(value) in (int, float) and 0 < value <= 1
-            and int(cfg["head_dim"] * value) % 2 == 0}[kind]
+            QWEN35_CONFIG["mtp_num_hidden_layers"]: value in (0, 1) and type(value) is int}[kind]
 
 def read_configs(folder):
     """config.json's CONFIG entries, checked, and "eos_ids": its and generation_config.json's."""
@@ -762,13 +763,14 @@ def read_configs(folder):
         cfg = {"rope_theta": nested.get("rope_theta"), **nested, **cfg}
         if nested.get("rope_type", nested.get("type", "default")) != "default":  # "yarn", say
             cfg["rope_scaling"] = nested
-    cfg = {"tie_word_embeddings": False, "eos_token_id": None, "quantization": None, **cfg}
+    cfg = {"tie_word_embeddings": False, "eos_token_id": None, "quantization": None,
+           "mtp_num_hidden_layers": 0, **cfg}
     if cfg.get("quantization_config") == cfg["quantization"]:  # MLX writes its own twice
         cfg.pop("quantization_config", None)
     entries = {**CONFIG, **QWEN35_CONFIG} if cfg.get("model_type") == "qwen3_5" else CONFIG
     gen = {"eos_token_id": None, **gen}  # generation_config.json's is optional
-    for file, data, kinds in [(path, cfg, entries), (gen_path, gen, {"eos_token_id": ""})]:
-        for name in kinds:
+    for file, data, names in [(path, cfg, entries), (gen_path, gen, ["eos_token_id"])]:
+        for name in names:
             if name not in data:
                 raise UserError(f"{file} has no '{name}' entry")
             if not fits(data[name], entries[name], cfg):
@@ -780,10 +782,7 @@ def read_configs(folder):
         if cfg.get(name, computed) != computed:
             raise UserError(f"{path}: {name} is {shown_json(cfg[name])}: this script does not run "
                             f"{other}")
-    qwen35 = {}  # Qwen3.5's own entries, and whether it has an MTP head to draft with
-    if cfg["model_type"] == "qwen3_5":
-        qwen35 = {**{name: cfg[name] for name in QWEN35_CONFIG},
-                  "mtp": cfg.get("mtp_num_hidden_layers", 0) > 0}
+    qwen35 = {name: cfg[name] for name in QWEN35_CONFIG} if cfg["model_type"] == "qwen3_5" else {}
     eos = set(as_list(cfg["eos_token_id"]) + as_list(gen["eos_token_id"])) - {None}
     return {**{name: cfg[name] for name in CONFIG}, "eos_ids": eos, "qwen35": qwen35}
 
@@ -861,7 +860,7 @@ def expected_shapes(cfg, weights):
                  a + "conv1d.weight": (2 * keys + values, c["linear_conv_kernel_dim"]),
                  a + "norm.weight": (c["linear_value_head_dim"],),
                  a + "out_proj.weight": (d, values)}
-        if c["mtp"] and any(name.startswith("mtp.") for name in weights):
+        if c["mtp_num_hidden_layers"] and any(name.startswith("mtp.") for name in weights):
             shapes.update({"mtp.fc.weight": (d, 2 * d), "mtp.norm.weight": (d,),
                            "mtp.pre_fc_norm_embedding.weight": (d,),
                            "mtp.pre_fc_norm_hidden.weight": (d,),
@@ -903,13 +902,11 @@ def read_tokenizer(folder, cfg):
     return tok
 
 
-
 # ─── Download: a folder, or the Hugging Face Hub ───
 
 def model_folder(model):
     """--model -> its folder; the default folder, or a plain owner/name repo id not whole in the
     Hugging Face cache, downloaded first (a second run asks the Hub nothing)."""
-    from huggingface_hub import try_to_load_from_cache
     path = Path(model).resolve()
     if path.is_file():
         raise UserError(f"{path} is a file, not a folder (a model is a folder)")
@@ -920,6 +917,7 @@ def model_folder(model):
     if not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", model):  # ./x, ../x, a/b/c, x: paths
         raise UserError(f"{path} does not exist (--model takes a folder, or a Hugging Face repo "
                         f"id such as {REPO})")
+    from huggingface_hub import try_to_load_from_cache  # (only here: it takes a moment to import)
     config = try_to_load_from_cache(model, "config.json")  # its path, or a mark that it is not
     cached = Path(config).parent if isinstance(config, str) else None
     return cached if cached and complete(cached) else download(model, None)
@@ -951,10 +949,11 @@ def download(repo, local_dir):
                 print(f"{name}: {tqdm.format_sizeof(files[name])}B from {constants.ENDPOINT}/"
                       f"{repo} into {into}", file=sys.stderr, flush=True)
                 path = fetched[name] = Path(hf_hub_download(repo, name, local_dir=local_dir))
-        name = "the checksums"
-        for bad in api.verify_repo_checksums(repo, local_dir=local_dir).mismatches:
+        name = "the checksums"  # of the files fetched now (none: the Hub is not asked)
+        checked = api.verify_repo_checksums(repo, local_dir=local_dir) if fetched else None
+        for bad in checked.mismatches if checked else []:
             damaged = fetched.get(bad["path"])
-            if damaged:  # fetched now: removed (in the cache, the blob the link names, and it)
+            if damaged:  # removed: in the cache, the blob the link names, and the link
                 os.remove(os.path.realpath(damaged))
                 damaged.unlink(missing_ok=True)
                 raise UserError(f"{damaged} is not the file the Hub announced ({bad['algorithm']} "
@@ -1074,8 +1073,7 @@ def explain(prompt_ids, hidden, logits, cache, start, k):
         for n, j in enumerate(top):
             print(bar_row(f"block {i}" if n == 0 else "", prompt_ids[j], weights[j]))
         print(f"{'':>10} {'rest':>18} {1 - sum(weights[j] for j in top):<8.4g}")
-    delta = [str(i) for i, kind in enumerate(QWEN35.get("layer_types", []), 1)
-             if kind == "linear_attention"]
+    delta = [str(i + 1) for i in range(N_LAYERS) if deltanet(i)]
     if delta:
         print(f"blocks {', '.join(delta)}: Gated DeltaNet, compressed notes: no such weights")
 
@@ -1347,10 +1345,9 @@ def parse_args(argv):
 
 def read_prompts(args):
     """Each --prompt's text ("-": stdin's), then --prompts FILE's lines, checked; [None]: none."""
-    texts = args.prompt or []
     if sys.stdin is None:  # closed (<&-): a file opened next would get descriptor 0, which MLX's
         os.open(os.devnull, os.O_RDONLY)  # safetensors reader takes for a failure: fill it first
-    texts = [as_text(sys.stdin.buffer.read()) if text == "-" else text for text in texts]
+    texts = [as_text(sys.stdin.buffer.read()) if t == "-" else t for t in args.prompt or []]
     for flag, text in [("--prompt", text) for text in texts] + [("--system", args.system)]:
         if text is not None:  # bytes that are not UTF-8 reach Python as lone surrogates
             as_text(text.encode(errors="surrogateescape"), flag)

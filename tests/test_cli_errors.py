@@ -306,6 +306,7 @@ def test_config_not_an_object(broken, name, content):
     ("rope_theta", 0, "a number more than 0"),
     ("tie_word_embeddings", "yes", "true or false"),
     ("eos_token_id", [2, "<|im_end|>"], "a token id, a list of them or null"),
+    ("eos_token_id", [2, None], "a token id, a list of them or null"),
 ])
 def test_config_entry_of_the_wrong_kind(broken, entry, value, what):
     edit_json(broken / "config.json", lambda cfg: cfg | {entry: value})
@@ -318,6 +319,13 @@ def test_generation_config_eos_of_the_wrong_kind(broken):
     edit_json(broken / "generation_config.json", lambda gen: gen | {"eos_token_id": "<|im_end|>"})
     assert_error(run_cli("--model", str(broken)), f"{broken / 'generation_config.json'}: eos_token_id "
                  'must be a token id, a list of them or null, not "<|im_end|>"')
+
+
+def test_entry_missing_after_one_of_the_value_1(broken):
+    """Each entry is checked for its presence before any rule reads it (head_dim, after heads of 1)."""
+    edit_json(broken / "config.json", lambda cfg: {k: v for k, v in cfg.items() if k != "head_dim"}
+              | {"num_key_value_heads": 1})
+    assert_error(run_cli("--model", str(broken)), "config.json has no 'head_dim' entry")
 
 
 def test_heads_not_in_groups(broken):

@@ -186,7 +186,7 @@ class ReferenceHead:
     mlx-lm's sanitize() drops every mtp.* tensor, so they are read here with mx.load; Hugging
     Face's Qwen3.5 stores each norm as an offset from 1 (its RMSNorm multiplies by 1 + weight), so
     1 is added to each of the head's 7 norms (every mtp.* name holding "norm"), as sanitize() does
-    to the model's and qwen35_weights() to all. The head: e = RMSNorm(embed(x_t+1)), h =
+    to the model's and read_weights() to all. The head: e = RMSNorm(embed(x_t+1)), h =
     RMSNorm(h_t), x = fc([e; h]), the layer, RMSNorm (mtp.norm), the model's LM head."""
 
     def __init__(self, folder):

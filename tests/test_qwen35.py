@@ -256,6 +256,9 @@ def test_chat_prompt_is_qwen35_template(qwen35, system, think):
     ({"linear_conv_kernel_dim": None}, "has no 'linear_conv_kernel_dim' entry"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.3}},
      "partial_rotary_factor must be a fraction (0 to 1) of head_dim that is even"),  # 32 x 0.3: 9
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.01}},
+     "partial_rotary_factor must be a fraction (0 to 1) of head_dim that is even"),  # 0 dimensions
+    ({"mtp_num_hidden_layers": 2}, "mtp_num_hidden_layers must be 0 or 1"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0,
                                           "partial_rotary_factor": 0.25}}, "rope_scaling"),
 ])
