@@ -665,11 +665,10 @@ from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokeni
 
 # ─── File checks: every file, config entry and tensor, before any of it runs ───
 
-class UserError(Exception):
-    """The user's flags, files or numbers: printed as one line; exit status 1 (130: interrupted)."""
-    def __init__(self, message, status=1):
-        super().__init__(message)
-        self.status = status
+class UserError(SystemExit):
+    """The user's flags, files or numbers: Python prints "error: " and the message; exit 1."""
+    def __init__(self, message):
+        super().__init__(f"error: {message}")
 
 HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"  # the default folder: beside
 # the script (the article's is ./Qwen3-0.6B/ from wherever it is started), and where it comes from
@@ -959,10 +958,11 @@ def download(repo, local_dir):
                 raise UserError(f"{damaged} is not the file the Hub announced ({bad['algorithm']} "
                                 f"{bad['actual'][:12]}..., not {bad['expected'][:12]}...): damaged "
                                 "on the way, removed; run again to fetch it")
-    except KeyboardInterrupt:
-        raise UserError(f"the download was interrupted during {name}; run the same command "
-                        "again: it keeps the files already complete and fetches the rest (a file "
-                        "begun, from its start)", 130) from None
+    except KeyboardInterrupt:  # exit status 130, as the shell gives Ctrl-C
+        print(f"error: the download was interrupted during {name}; run the same command again: it "
+              "keeps the files already complete and fetches the rest (a file begun, from its "
+              "start)", file=sys.stderr)
+        raise SystemExit(130) from None
     except Exception as e:  # the Hub's, the network's or the disk's, else a bug: its traceback
         why = download_trouble(e, into)
         if why is None:
@@ -1063,8 +1063,7 @@ def explain(prompt_ids, hidden, logits, cache, start, k):
     print("the answer forming: the likeliest next token after block i; then the model's top K")
     for i, (token, p) in enumerate(logit_lens(hidden), 1):
         print(bar_row(f"block {i}", token, p))
-    for token, p in top_tokens(logits, k):
-        print(bar_row("", token, p))
+    print("\n".join(bar_row("", token, p) for token, p in top_tokens(logits, k)))
     print("where the last token looks: each attention block's 3 heaviest tokens of the prompt "
           "(averaged over heads)")
     for i, weights in attention_looks(prompt_ids, hidden, cache, start):
@@ -1124,8 +1123,7 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
     if args.explain:
         explain(prompt_ids, blocks, logits, cache, start, args.show_probs or 5)
     elif args.show_probs:
-        for token, p in top_tokens(logits, args.show_probs):
-            print(bar_row("", token, p))
+        print("\n".join(bar_row("", token, p) for token, p in top_tokens(logits, args.show_probs)))
     if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
         raise not_finite("after the prompt", logits.dtype)
     print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
@@ -1413,11 +1411,8 @@ def main(argv=None):
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends it quietly, as it ends `cat`
-    try:
+    try:  # a UserError: its one line; a bug: its traceback
         main()
-    except UserError as e:  # the user's flags, files or numbers: one line; a bug, its traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.status)
     except KeyboardInterrupt:  # Ctrl-C in a chat at a terminal, not in an answer: it ends
         print(file=sys.stderr)
         sys.exit(130)
