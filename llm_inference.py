@@ -1246,8 +1246,9 @@ def converse(args):
     while True:
         try:  # a line typed at the ">> " prompt, or read from a pipe
             line = input(">> ") if at_terminal else as_text(sys.stdin.buffer.readline())
-        except EOFError:  # Ctrl-D
-            return print()
+        except EOFError:  # Ctrl-D: the chat ends, on a new line
+            print()
+            return
         turns.append(line.rstrip("\r\n"))
         if not turns[-1]:  # an empty line, or the end of the input
             return
