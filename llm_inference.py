@@ -708,21 +708,25 @@ def shown_json(value, most=60):  # a config value in an error line, cut with "..
     text = json.dumps(value)
     return text if len(text) <= most else text[:most - 4] + " ..."
 
-WHOLE = "a whole number of 1 or more"
-CONFIG = {  # the config.json entries the model reads -> what each must hold
-    "model_type": '"qwen3" or "qwen3_5" (dense Qwen3 and Qwen3.5 models)', "hidden_size": WHOLE,
-    "intermediate_size": WHOLE, "num_hidden_layers": WHOLE, "num_attention_heads": WHOLE,
-    "num_key_value_heads": WHOLE, "vocab_size": WHOLE, "max_position_embeddings": WHOLE,
-    "head_dim": "an even whole number (RoPE turns pairs)", "rms_norm_eps": "a number more than 0",
-    "rope_theta": "a number more than 0", "tie_word_embeddings": "true or false",
-    "eos_token_id": "a token id, a list of them or null",
-    "quantization": 'MLX\'s affine quantisation (not "mxfp4", "nvfp4" or "mxfp8")'}
-QWEN35_CONFIG = {  # Qwen3.5's own (in its text_config)
-    "layer_types": 'a list of "linear_attention" and "full_attention", one per layer',
-    "linear_num_key_heads": WHOLE, "linear_num_value_heads": WHOLE, "linear_key_head_dim": WHOLE,
-    "linear_value_head_dim": WHOLE, "linear_conv_kernel_dim": WHOLE,
-    "partial_rotary_factor": "a fraction (0 to 1) of head_dim that is even: RoPE turns pairs",
-    "mtp_num_hidden_layers": "0 or 1 (an MTP head, or none)"}
+KINDS = {  # each kind of config value -> what an error line says it must be
+    "model": '"qwen3" or "qwen3_5" (dense Qwen3 and Qwen3.5 models)',
+    "count": "a whole number of 1 or more", "even": "an even whole number (RoPE turns pairs)",
+    "positive": "a number more than 0", "bool": "true or false",
+    "ids": "a token id, a list of them or null", "mtp": "0 or 1 (an MTP head, or none)",
+    "quantization": 'MLX\'s affine quantisation (not "mxfp4", "nvfp4" or "mxfp8")',
+    "layers": 'a list of "linear_attention" and "full_attention", one per layer',
+    "share": "a fraction (0 to 1) of head_dim that is even: RoPE turns pairs"}
+CONFIG = {  # the config.json entries the model reads -> the kind of value each must hold
+    "model_type": "model", "hidden_size": "count", "intermediate_size": "count",
+    "num_hidden_layers": "count", "num_attention_heads": "count", "num_key_value_heads": "count",
+    "vocab_size": "count", "max_position_embeddings": "count", "head_dim": "even",
+    "rms_norm_eps": "positive", "rope_theta": "positive", "tie_word_embeddings": "bool",
+    "eos_token_id": "ids", "quantization": "quantization"}
+QWEN35_CONFIG = {  # Qwen3.5's own config.json entries (in its text_config) -> their kind
+    "layer_types": "layers", "linear_num_key_heads": "count", "linear_num_value_heads": "count",
+    "linear_key_head_dim": "count", "linear_value_head_dim": "count",
+    "linear_conv_kernel_dim": "count", "partial_rotary_factor": "share",
+    "mtp_num_hidden_layers": "mtp"}
 UNSUPPORTED = {  # config.json entries that change the math -> (the value computed here, else what)
     "rope_scaling": (None, "a scaled RoPE (YaRN and its kin)"),
     "attention_bias": (False, "biases in the attention projections"),
@@ -731,21 +735,19 @@ UNSUPPORTED = {  # config.json entries that change the math -> (the value comput
     "quantization_config": (None, "weights quantised in this format")}
 
 def fits(value, kind, cfg):
-    """Does a config value hold what CONFIG says it must (kind)? cfg: its entries checked so far."""
+    """Does a config value have the kind CONFIG names? cfg: its entries checked so far."""
     whole, number = type(value) is int and value >= 1, type(value) in (int, float) and value > 0
-    if kind == QWEN35_CONFIG["layer_types"]:  # (Qwen3.5's entries are checked after CONFIG's)
+    if kind == "layers":  # (Qwen3.5's entries are checked after CONFIG's)
         return isinstance(value, list) and len(value) == cfg["num_hidden_layers"] \
             and all(layer in ("linear_attention", "full_attention") for layer in value)
-    if kind == QWEN35_CONFIG["partial_rotary_factor"]:
+    if kind == "share":
         return number and int(cfg["head_dim"] * value) in range(2, cfg["head_dim"] + 1, 2)
-    return {WHOLE: whole, CONFIG["head_dim"]: whole and value % 2 == 0,
-            CONFIG["rope_theta"]: number, CONFIG["model_type"]: value in ("qwen3", "qwen3_5"),
-            CONFIG["tie_word_embeddings"]: type(value) is bool,
-            CONFIG["eos_token_id"]: value is None
-            or all(type(i) is int and i >= 0 for i in as_list(value)),
-            CONFIG["quantization"]: value is None or isinstance(value, dict)
+    return {"count": whole, "even": whole and value % 2 == 0, "positive": number,
+            "model": value in ("qwen3", "qwen3_5"), "bool": type(value) is bool,
+            "ids": value is None or all(type(i) is int and i >= 0 for i in as_list(value)),
+            "quantization": value is None or isinstance(value, dict)
             and value.get("mode", "affine") == "affine",
-            QWEN35_CONFIG["mtp_num_hidden_layers"]: value in (0, 1) and type(value) is int}[kind]
+            "mtp": type(value) is int and value in (0, 1)}[kind]
 
 def read_configs(folder):
     """config.json's CONFIG entries, checked, and "eos_ids": its and generation_config.json's."""
@@ -773,7 +775,7 @@ def read_configs(folder):
             if name not in data:
                 raise UserError(f"{file} has no '{name}' entry")
             if not fits(data[name], entries[name], cfg):
-                raise UserError(f"{file}: {name} must be {entries[name]}, "
+                raise UserError(f"{file}: {name} must be {KINDS[entries[name]]}, "
                                 f"not {shown_json(data[name])}")
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
         raise UserError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
