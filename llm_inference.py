@@ -833,7 +833,7 @@ def read_weights(folder, cfg, dtype):
     for name, total in sums.items():  # (a sum can overflow float16 alone: then check each value)
         if not mx.isfinite(total).item() and not mx.isfinite(weights[name]).all().item():
             why = "the file is damaged; download it again"
-            if dtype is not None:  # the cast to dtype made them inf
+            if dtype is not None:  # the cast to dtype (mlx.core.float16, say) made them inf
                 why = f"its values are too large for {str(dtype)[9:]} (float32 holds them)"
             raise UserError(f"tensor {name} in {source[name]} holds NaN or inf: {why}")
     return weights
@@ -1107,14 +1107,17 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
         raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
     if held + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
-    blocks, counts, tic = [] if args.explain else None, {}, time.perf_counter()  # x after each
+    blocks = [] if args.explain else None  # x after each block, for --explain
+    counts, tic = {}, time.perf_counter()  # counts: what --draft drafted and accepted
     mark, saved = keep or (start, None)  # the prompt in two parts, the cache kept between
     head, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
     hidden = hidden_pass(head, cache, start) if args.draft and head else None  # the MTP head's
     if head and not args.draft:
         prefill(head, cache, start)                                   # its logits never computed
-    if saved is not None:  # a DeltaNet state is a new array at every token; the KV buffers are
-        mx.eval(cache)     # written over after the mark before anything reads them
+    # Kept at the mark: a DeltaNet state is a new array at every token; the KV buffers are
+    # written over after the mark, before anything reads them.
+    if saved is not None:
+        mx.eval(cache)
         saved[:] = list(cache)
     if args.draft:  # every token's hidden state kept, for the MTP head
         more = hidden_pass(rest, cache, mark, blocks)                 # (L, 1024)
@@ -1378,7 +1381,7 @@ def summary(folder, cfg):
         name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {head})"
         layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
     return (f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
-            f"{size}, {str(W['model.norm.weight'].dtype)[9:]}")  # "mlx.core." cut
+            f"{size}, {str(W['model.norm.weight'].dtype).split('.')[-1]}")  # bfloat16, say
 
 def main(argv=None):
     args = parse_args(argv)
