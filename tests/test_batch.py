@@ -284,3 +284,10 @@ def test_batch_quiet_long_prompts_and_bytes(checkpoint):
     r = run_cli("--model", folder, "-p", "a", "-p", long, "-m", "3")
     assert_error(r, "tokens; the context holds 2048")
     assert r.stdout == ""
+
+
+def test_batched_chat_replies_are_labelled_with_their_prompts(checkpoint):
+    """--chat with several prompts: each reply after ">> " and its prompt, in the prompts' order."""
+    r = run_cli("--model", str(checkpoint()), "--chat", "-p", "Hi", "-p", "Yo", "-m", "3")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.index("==========\n>> Hi\n") < r.stdout.index("==========\n>> Yo\n")

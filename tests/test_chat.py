@@ -1,6 +1,7 @@
 """The chat as a person holds it at a terminal (issue 35): line editing and history at the ">> "
 prompt (readline), Ctrl-C stops the answer and returns to the prompt with the conversation and its
 cache consistent, the statistics only with --verbose. Everything through a pseudo-terminal."""
+import io
 import os
 import pty
 import re
@@ -164,3 +165,34 @@ def test_ctrl_c_at_the_prompt_ends_the_chat(checkpoint):
     t.p.send_signal(signal.SIGINT)
     code, out, err = t.close()
     assert code == 130 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_ctrl_c_while_drafting_and_the_next_turn_is_a_fresh_runs(checkpoint, tokenizer, monkeypatch,
+                                                                  capsys, k):
+    """Ctrl-C in the k-th verify pass of a drafted answer (--draft lookup): the ids printed so far
+    may not all be in the cache yet, so converse() trusts it only short of the last one. The next
+    answer must equal a fresh greedy run of the conversation with the first answer as printed."""
+    folder = checkpoint()
+    li.load(folder)
+    replies, calls, verify_pass, plain_reply = [], [], li.verify_pass, li.reply
+
+    def reply(*args, **kwargs):  # each turn's list of printed ids, kept to compare
+        replies.append(kwargs["generated"])
+        return plain_reply(*args, **kwargs)
+
+    def interrupted(*args, **kwargs):  # the k-th pass of the first turn: Ctrl-C
+        calls.append(1)
+        if len(replies) == 1 and len(calls) == k:
+            raise KeyboardInterrupt
+        return verify_pass(*args, **kwargs)
+
+    monkeypatch.setattr(li, "reply", reply)
+    monkeypatch.setattr(li, "verify_pass", interrupted)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello there\nAnd Japan?\n")))
+    li.converse(li.parse_args(["--model", str(folder), "--chat", "--draft", "lookup", "-m", "20"]))
+    capsys.readouterr()
+    first, second = replies
+    assert 0 < len(first) < 20  # stopped on the way
+    ids = tokenizer.encode(li.chat_prompt(["Hello there", li.TOK.decode(first), "And Japan?"])).ids
+    assert second == list(li.generate(ids, max_tokens=20))

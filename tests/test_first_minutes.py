@@ -2,6 +2,7 @@
 a --model spelt as a path that does not exist, the Hugging Face cache kept clean, the README's
 random checkpoint. Never a real network: the stand-in Hub (tests/hub.py) on 127.0.0.1, and
 name lookups made to fail inside the process."""
+import json
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,14 @@ def test_without_generation_config_both_eos_ids_stop(checkpoint, tmp_path, token
     assert li.EOS_IDS == {tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")}
 
 
+def test_generation_config_adds_its_eos_ids(checkpoint, tmp_path, tokenizer):
+    """With generation_config.json, its eos_token_id ends the generation too (an id of its own)."""
+    folder = Path(shutil.copytree(checkpoint(), tmp_path / "model"))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5]}))
+    li.load_checked(folder)
+    assert 5 in li.EOS_IDS and tokenizer.token_to_id("<|im_end|>") in li.EOS_IDS
+
+
 @pytest.mark.parametrize("spelling", ["./mymodel", "../mymodel", "a/b/c/d", "mymodel", "x/"])
 def test_a_folder_that_does_not_exist(tmp_path, spelling):
     """However it is spelt, a folder that does not exist says so in one line; only a plain
@@ -77,6 +86,7 @@ def test_a_damaged_file_leaves_nothing_in_the_cache(checkpoint, tmp_path):
         assert r.returncode == 1 and "damaged on the way, removed" in r.stderr, r.stderr
         damaged = flip(hub.repos["Qwen/Qwen3-1.7B"][SHARDED[-1]])
         assert all(f.read_bytes() != damaged for f in (tmp_path / "hf").rglob("*") if f.is_file())
+        assert all(f.exists() for f in (tmp_path / "hf").rglob("*"))  # no link left to nothing
         hub.corrupt.clear()
         r = subprocess.run(cmd, env=environment(hub, tmp_path / "hf"), capture_output=True, text=True)
         assert r.returncode == 0 and r.stderr.splitlines()[1].startswith(SHARDED[-1]), r.stderr
