@@ -1,6 +1,7 @@
 """The chat as a person holds it at a terminal (issue 35): line editing and history at the ">> "
 prompt (readline), Ctrl-C stops the answer and returns to the prompt with the conversation and its
-cache consistent, the statistics only with --verbose. Everything through a pseudo-terminal."""
+cache consistent, the statistics only with --verbose. Everything through a pseudo-terminal, but
+a Ctrl-C placed inside a drafted answer's verify pass (in-process)."""
 import io
 import os
 import pty
