@@ -474,7 +474,7 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
         ids = mx.array(prompt_ids[i + 1:i + 1 + CHUNK])  # the prompt, shifted by one token
         mtp_logits(ids, hidden[i:i + len(ids)], mtp_cache, start + i, start)
         mx.eval(mtp_cache)
-    history, pos = list(prompt_ids), start + len(prompt_ids)
+    history, pos, n = list(prompt_ids), start + len(prompt_ids), 0
     end = min(pos + max_tokens, MAX_POS)
     # A worked example: the prompt fills positions 0..4; token, the model's id x5, is at pos 5,
     # not in the cache yet; the head has read (x_t+1, h_t) up to t = 3: unread, h_4 at 4. Draft:
@@ -482,8 +482,9 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
     # Accept: if c6 == d6, x5 and d6 are emitted and token = c7 at pos 7, unread h5, h6 from 5;
     # else x5 alone, token = c6 at pos 6 (d6's keys at 6 are written over), unread h5 from 5.
     token, unread, at = sampler(logits).item(), hidden[-1:], pos - 1
+    finite = [mx.isfinite(logits).all().item()]  # finite[n]: the logits token came from, checked
     while pos < end:  # token: the model's id at pos
-        if not mx.isfinite(logits).all().item():
+        if not finite[n]:
             raise not_finite(f"at position {pos}", logits.dtype)
         if token in EOS_IDS:
             return
@@ -500,10 +501,9 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
         drafts = drafts[:end - pos - 1]                               # never past the end
         ids = mx.concatenate([mx.array([token], mx.uint32), drafts])  # (1 + K,)
         logits, choices, hidden, kept = verify_pass(ids, cache, pos, sampler)
-        finite = mx.isfinite(logits).all(axis=-1).tolist()            # (1 + K,) each row's check
+        finite = mx.isfinite(logits).all(axis=-1).tolist()            # (1 + K,) each row's
         drafts, choices = drafts.tolist(), choices.tolist()
-        # Step 3, accept: the drafts equal to the model's own choices, up to the first that is
-        # not; an EOS id among them ends there too (nothing follows it).
+        # Step 3, accept: the drafts the model chose too, up to the first it did not (or an EOS).
         n = 0
         while n < len(drafts) and choices[n] == drafts[n] and drafts[n] not in EOS_IDS:
             n += 1
