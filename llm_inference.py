@@ -46,8 +46,10 @@ def load(model_dir, dtype=None):
     if cfg["model_type"] != "qwen3" or "quantization" in cfg:  # Qwen3.5, 4/8-bit: Part III
         return load_checked(folder, dtype)
     cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))  # or nested
-    gen = folder / "generation_config.json"  # Qwen3's second EOS id is there
-    gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    gen = folder / "generation_config.json"  # Qwen3's EOS ids; without it (the article's four
+    released = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]  # files), these
+    gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else released
     cfg["eos_ids"] = set(as_list(cfg.get("eos_token_id")) + as_list(gen_eos)) - {None}
     index, files = folder / "model.safetensors.index.json", ["model.safetensors"]  # 0.6B: one file
     if index.exists():  # a larger Qwen3's shards, as its index names them
@@ -57,7 +59,7 @@ def load(model_dir, dtype=None):
     if cfg.get("tie_word_embeddings"):  # Qwen3-0.6B: one table, read both ways
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     mx.eval(weights)  # read from disk now, so that generation times only generation
-    return use(cfg, weights, Tokenizer.from_file(str(folder / "tokenizer.json")))
+    return use(cfg, weights, tok)
 
 def linear(x, name):  # x @ W[name + ".weight"].T, the article's product (4/8-bit: Part II)
     return quantized_linear(x, name) if name + ".scales" in W else x @ W[name + ".weight"].T
@@ -79,8 +81,9 @@ def embed(token_ids):
 # and fuses its element-wise steps into one kernel. Delete it: the same numbers, more slowly.
 @mx.compile
 def rms_norm(x, w, eps=1e-6):
-    """x: (..., n), w: (n,) -> x / sqrt(mean(x^2) + eps) * w, computed in float32 (in bfloat16 the
-    mean drifts). eps: the article's EPS unless given (a compiled trace keeps what it read)."""
+    """x: (..., n), w: (n,) -> x / sqrt(mean(x^2) + eps) * w: normalised in float32 (in bfloat16
+    the mean drifts), the gain after the cast back, as in Hugging Face's code. eps: the article's
+    EPS unless given (a compiled trace keeps what it read)."""
     x32 = x.astype(mx.float32)                                        # (..., n)
     x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # (..., n)
     return w * x32.astype(x.dtype)                                    # (..., n)
@@ -214,7 +217,7 @@ def forward(token_ids, cache, start, blocks=None):  # blocks: a list, given x af
 def sample(logits, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0):
     """logits (..., vocab) -> the next id of each row (...): temperature 0, the likeliest; else a
     draw from softmax(logits / T) in float32, each row its own, among the fewest likeliest tokens
-    reaching top_p (the article's default 0.95; 1.0, no cut, is mlx-lm's), at most top_k (0: no
+    reaching top_p (the article's 0.95; at 1.0, mlx-lm's default, no cut), at most top_k (0: no
     limit), none under min_p x the likeliest's probability. The article slices and returns an int;
     this masks, and returns a lazy array so that generate() can queue the next step (Step 9)."""
     if temperature == 0:
@@ -224,7 +227,7 @@ def sample(logits, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0):
     order = mx.argsort(-probs, axis=-1)                               # (..., vocab) likeliest first
     sorted_probs = mx.take_along_axis(probs, order, axis=-1)          # (..., vocab)
     mass_before = mx.cumsum(sorted_probs, axis=-1, inclusive=False)   # (..., vocab) likelier ones
-    keep = mass_before < top_p                                        # (..., vocab) the top one too
+    keep = (mass_before < top_p) | (top_p >= 1)  # (..., vocab) 1: all (float32 sums near 1 early)
     keep = keep & (mx.arange(keep.shape[-1]) < (top_k or keep.shape[-1]))  # the top_k likeliest
     keep = keep & (sorted_probs >= min_p * sorted_probs[..., :1])     # none far below the top one
     masked = mx.where(keep, mx.take_along_axis(logits, order, axis=-1), -mx.inf)  # (..., vocab)
@@ -232,16 +235,16 @@ def sample(logits, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0):
     return mx.take_along_axis(order, picked[..., None], axis=-1)[..., 0]  # (...) its id
 
 # ═══ Step 9. Generate — read the prompt once, then write one token at a time ═══
-def prefill(prompt_ids, cache, start=0, blocks=None):
+def prefill(prompt_ids, cache, start=0, blocks=None, chunk=CHUNK):
     """Run the prompt into the cache at positions start.. -> its last token's logits (vocab,). The
-    article computes every token's logits; here the others only fill the cache, CHUNK at a time."""
+    article computes every token's logits; here the others only fill the cache, chunk at a time."""
     *head, last = prompt_ids
-    for i in range(0, len(head), CHUNK):
-        forward(head[i:i + CHUNK], cache, start + i)
+    for i in range(0, len(head), chunk):
+        forward(head[i:i + chunk], cache, start + i)
         mx.eval(cache)
     return forward([last], cache, start + len(head), blocks)[-1]      # (vocab,)
 
-def not_finite(where, dtype):  # the weights are finite (load checks them): the numbers overflowed
+def not_finite(where, dtype):  # the weights finite (load_checked() checks): the numbers overflowed
     name = str(dtype).split(".")[-1]  # float16, not mlx.core.float16
     return FloatingPointError(f"the logits {where} are not finite (NaN or inf) in {name}: the "
                               "activations overflow it; compute in float32")
@@ -252,7 +255,7 @@ def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, lo
     how much of it to keep; logits: the prompt's, if prefill() ran it in. Then the cache holds
     the prompt and every id yielded."""
     if isinstance(prompt_ids, str):  # the article's generate() takes text and returns text
-        raise TypeError("generate() takes ids: TOK.decode(list(generate(tokenize(text))))")
+        raise TypeError("generate() takes ids; the continuation: TOK.decode(list(generate(ids)))")
     cache = [None] * N_LAYERS if cache is None else cache
     if logits is None:
         logits = prefill(prompt_ids, cache, start)                    # (vocab,) lazy
@@ -316,7 +319,7 @@ def qwen35_attention(x, layer_idx, cache, start, rope, visible):  # forward()'s,
     return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
 
 def gated_queries(x, layer_idx, positions):
-    """Step 5's projections, three things changed: q_proj also gives each head a gate (applied
+    """Step 5's projections, two things changed: q_proj also gives each head a gate (applied
     to its output), RoPE turns only the first quarter of each head (its own tables, not rope's).
     x: (L, D) at positions (L,) -> q (L, 8, 256), k and v (L, 2, 256), the gate (L, 2048)."""
     p, L = f"model.layers.{layer_idx}.self_attn.", x.shape[0]
@@ -445,7 +448,7 @@ def hidden_pass(token_ids, cache, start, lens=None):
     return mx.concatenate(chunks)                                     # (L, 1024)
 
 def verify_pass(ids, cache, pos, sampler):
-    """Step 2: the model over ids (the next id, K drafts) at pos.., one pass -> its logits, choice
+    """Verify: the model over ids (the next id, K drafts) at pos.., one pass -> its logits, choice
     and hidden state (what the MTP head reads) after each, each DeltaNet's notes after each id."""
     kept = {i: [] for i in range(N_LAYERS) if deltanet(i)}
     for i, notes in kept.items():  # a list in the cache entry: delta_memory() fills it
@@ -482,17 +485,17 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
     # Accept: if c6 == d6, x5 and d6 are emitted and token = c7 at pos 7, unread h5, h6 from 5;
     # else x5 alone, token = c6 at pos 6 (d6's keys at 6 are written over), unread h5 from 5.
     token, unread, at = sampler(logits).item(), hidden[-1:], pos - 1
-    finite = [mx.isfinite(logits).all().item()]  # finite[n]: the logits token came from, checked
-    while pos < end:  # token: the model's id at pos
-        if not finite[n]:
+    finite = mx.isfinite(logits).all().item()  # the logits token came from, checked
+    while pos < end:  # token: the model's id at pos, not in the cache yet
+        if not finite:
             raise not_finite(f"at position {pos}", logits.dtype)
         if token in EOS_IDS:
             return
-        yield token
-        if pos + 1 >= end:
-            forward([token], cache, pos)  # into the cache, as generate() leaves it
+        if pos + 1 >= end:  # the last: into the cache first, as generate() leaves it
+            forward([token], cache, pos)
+            yield token
             return
-        if draft == "mtp":  # Step 1, draft: the head reads the ids after its unread h_t's
+        if draft == "mtp":  # draft: the head reads the ids after its unread h_t's
             guess = mtp_logits(mx.array(history[at + 1 - start:] + [token]), unread, mtp_cache,
                                at, start)                             # (unread, vocab)
             drafts = mx.argmax(guess[-1:], axis=-1)                   # (1,) its id, lazy
@@ -503,21 +506,24 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
         logits, choices, hidden, kept = verify_pass(ids, cache, pos, sampler)
         finite = mx.isfinite(logits).all(axis=-1).tolist()            # (1 + K,) each row's
         drafts, choices = drafts.tolist(), choices.tolist()
-        # Step 3, accept: the drafts the model chose too, up to the first it did not (or an EOS).
+        # Accept: the drafts the model chose too, up to the first it did not (or an EOS).
         n = 0
         while n < len(drafts) and choices[n] == drafts[n] and drafts[n] not in EOS_IDS:
             n += 1
         counts["drafted"] += len(drafts)
         counts["accepted"] += n
         history += [token] + drafts[:n]
-        for j, d in enumerate(drafts[:n]):  # each the model's own choice, as generate() yields it
-            if not finite[j]:
-                raise not_finite(f"at position {pos + 1 + j}", logits.dtype)
-            yield d
-        for i, notes in kept.items():  # a DeltaNet back to its notes after the last id kept
-            cache[i] = notes[n]         # a KV cache's later positions: written over, unread
+        # Each id yielded with the cache as generate() leaves it, wherever the caller stops: a
+        # DeltaNet at its notes after that id (the list detached), a KV cache's later positions
+        # written over before anything reads them.
+        for j, emitted in enumerate([token] + drafts[:n]):  # drafts[j - 1]: row j - 1's choice
+            if j and not finite[j - 1]:
+                raise not_finite(f"at position {pos + j}", logits.dtype)
+            for i, notes in kept.items():
+                cache[i] = notes[j]
+            yield emitted
         unread, at, pos = hidden[:n + 1], pos, pos + n + 1
-        token, logits = choices[n], logits[n]
+        token, logits, finite = choices[n], logits[n], finite[n]
 
 # ═══ Batching — several sequences share every weight read; a finished one makes room ═══
 # Decoding one token reads every weight for one row: the machine waits on memory; B rows cost
@@ -554,6 +560,11 @@ def take_slots(cache, slots, own):
             arrays[j] = a = padded(a, 2, part.shape[2])
             a[at, :, :part.shape[2]] = part
         cache[i] = tuple(arrays)
+
+def trimmed(entry, layer_idx, rows, room):  # a layer's cache: those rows, positions < room
+    if entry is None or deltanet(layer_idx):  # (a DeltaNet's notes have no positions)
+        return entry and tuple(a[rows] for a in entry)
+    return tuple(mx.contiguous(a[rows][:, :, :room]) for a in entry)  # (rows, 8, room, 128)
 
 def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     """q, k, v (B * L, heads, hd): L tokens of each of B rows at positions (B * L,), written into
@@ -631,12 +642,18 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
             take_slots(cache, group, prefill_rows([slots[b].ids for b in group]))
         # A joining row's last id rides in the next batch pass at its own position: that row's
         # logits are its prompt's, and the weights are read once for all rows, not once more.
-        if None in slots:  # no prompt left to take them: the free slots go, the batch shrinks
-            kept = mx.array([b for b, row in enumerate(slots) if row is not None], mx.int32)
-            slots = [row for row in slots if row is not None]
-            cache[:] = [None if entry is None else tuple(a[kept] for a in entry) for entry in cache]
-        if not slots:  # every prompt done
+        # Free slots go once no prompt is left to take them, and the positions no row reaches
+        # (a long row's, ended) go with them, as mlx-lm's BatchKVCache.filter trims: copies of
+        # the rows and positions kept (a slice alone is a view: it would keep the whole buffer).
+        live = [b for b, row in enumerate(slots) if row is not None]
+        if not live:  # every prompt done
             return
+        room = -(-(max(slots[b].pos for b in live) + 1) // GROW) * GROW  # the next pass's S
+        held = max([entry[0].shape[2] for i, entry in enumerate(cache)
+                    if entry is not None and not deltanet(i)], default=0)
+        if len(live) < len(slots) or held > room:
+            rows, slots = mx.array(live, mx.int32), [slots[b] for b in live]
+            cache[:] = [trimmed(entry, i, rows, room) for i, entry in enumerate(cache)]
         tokens = mx.stack([row.token for row in slots])               # (B,) each row's, lazy
         checks = mx.stack([row.finite for row in slots])              # (B,) its logits finite?
         # The next pass is queued before the tokens it follows are looked at, as in generate().
@@ -653,7 +670,7 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
             if token in EOS_IDS or row.pos + 1 >= row.end:  # it ends: its slot is free
                 row.status, slots[b] = "done", None
                 if ended is not None:
-                    ended.append((row.i, row.pos))  # its last id not in its cache
+                    ended.append((row.i, row.pos))  # its positions before its last id
             else:
                 row.status, row.token, row.finite = "decoding", upcoming[b], finite[b]
                 row.pos += 1
@@ -1079,10 +1096,9 @@ def explain(prompt_ids, hidden, logits, cache, start, k):
         print(f"blocks {', '.join(delta)}: Gated DeltaNet, compressed notes: no such weights")
 
 def attention_looks(prompt_ids, hidden, cache, start=0):
-    """Where the prompt's last token looks, in each full-attention block: Step 5's own attend()
-    run once more for its query, on the keys the cache holds, with the identity for values (the
-    value of position j: 1 at j), so that what it returns is its weights -> [(block, (S,))],
-    averaged over heads. hidden: x after each block, for the last token."""
+    """Where the prompt's last token looks, in each full-attention block: Step 5's scores and
+    softmax run once more for its query, on the keys the cache holds (memory: S per head) ->
+    [(block, (S,))], averaged over heads. hidden: x after each block, for the last token."""
     S = start + len(prompt_ids)
     at, looks = mx.array([S - 1]), []
     for i in [i for i in range(N_LAYERS) if not deltanet(i)]:
@@ -1093,9 +1109,10 @@ def attention_looks(prompt_ids, hidden, cache, start=0):
         else:
             q = queries_keys_values(h, f"model.layers.{i}.self_attn.", rope_tables(at, h.dtype))[0]
         keys = cache[i][0][:, :S]                                     # (KV, S, hd)
-        one_hot = mx.broadcast_to(mx.eye(S, dtype=keys.dtype), (keys.shape[0], S, S))
-        weights = attend(q, keys, one_hot, mx.ones((1, S), mx.bool_))  # (1, heads * S)
-        looks.append((i + 1, weights.reshape(-1, S).astype(mx.float32).mean(axis=0)))  # (S,)
+        groups = q.reshape(keys.shape[0], -1, keys.shape[-1])         # (KV, 2, hd) as attend()'s
+        scores = masked_scores(groups @ keys.swapaxes(-1, -2), mx.array(True), math.sqrt(
+            keys.shape[-1]))                                          # (KV, 2, S) all visible
+        looks.append((i + 1, mx.softmax(scores, axis=-1).reshape(-1, S).mean(axis=0)))  # (S,)
     return looks
 
 def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
@@ -1149,8 +1166,8 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
                        held)
     if args.explain:  # the limit decoding works against: what the memory can move
         speed = bandwidth()
-        print(f"Memory: this machine copies {speed / 1e9:.1f} GB/s (a 268 MB array, read and "
-              f"written, timed): decoding read {100 * rate / speed:.1f}% of it", flush=True)
+        print(f"Memory: this machine reads {speed / 1e9:.1f} GB/s (268 MB already in memory, "
+              f"the best of 5): decoding read {100 * rate / speed:.1f}% of it", flush=True)
     if args.draft:  # after mlx-lm's lines: what drafting did
         by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
         share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
@@ -1163,9 +1180,10 @@ def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
                    min_p=args.min_p)
 
 def print_stats(n_prompt, n, tic, t_first, cache, held):
-    """mlx_lm.generate's lines (the prompt's rate: to the first token), then the KV cache's and
-    the bytes a token reads -> the bytes a second decoding read."""
-    rate = max(n - 1, 0) / max(time.perf_counter() - t_first, 1e-9)  # tokens a second
+    """mlx_lm.generate's lines, counted as it counts (the prompt's rate: to the first token; the
+    generation's: n tokens over the time since the first), then the KV cache's and the bytes a
+    token reads -> the bytes a second decoding read."""
+    rate = n / max(time.perf_counter() - t_first, 1e-9)              # tokens a second
     print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (t_first - tic):.3f} "
           "tokens-per-sec")
     print(f"Generation: {n} tokens, {rate:.3f} tokens-per-sec")
@@ -1189,16 +1207,18 @@ def token_bytes(cache, held):
     return sum(w.nbytes for w in used.values()), \
         cache_bytes(cache, held) + cache_bytes(cache, kind="linear_attention")
 
-def bandwidth(size=2**28):
-    """This machine's memory speed, bytes a second: a size-byte array read and written back once
-    (x + 1), timed, the best of 3; a quarter of a second on a laptop."""
-    x, best = mx.zeros(size // 4), math.inf
-    mx.eval(x)
-    for _ in range(3):
+def bandwidth(size=2**28, tries=5):
+    """This machine's memory speed for what bounds decoding, bytes a second: reading size bytes
+    already written and resident (the largest of their 32-bit words: integer work, light enough
+    that the reading takes the time, with no page faults timed), the best of tries."""
+    words = mx.zeros(size // 4, mx.uint32)                            # written before any timing
+    mx.eval(words)
+    best = math.inf
+    for _ in range(tries):
         tic = time.perf_counter()
-        mx.eval(x + 1)
+        mx.eval(words.max())
         best = min(best, time.perf_counter() - tic)
-    return 2 * size / best
+    return size / best
 
 def reply_batch(texts, prompts, args):
     """Several prompts (their texts and ids), one continuous batch (generate_batch()): each

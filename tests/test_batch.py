@@ -185,6 +185,32 @@ def test_memory_is_bounded_by_the_batch_size(checkpoint):
     assert peaks[2] <= 1.25 * peaks[1], peaks
 
 
+def test_a_long_row_that_leaves_takes_its_positions_with_it(checkpoint):
+    """A 1,500-token prompt, then 16 short ones through 4 slots: once the long row has ended (and
+    a pass has run since), the memory the batch holds is what the 16 short prompts hold alone;
+    kept, the long row's 1,536 positions in every slot would hold 6x as much. The short rows'
+    tokens are still their prompts' alone."""
+    li.load(checkpoint())
+    short = [li.tokenize(t) for t in TEXTS[:4]] * 4
+    long = (li.tokenize(TEXTS[2]) * 200)[:1500]
+
+    def most_held(prompts):  # the most memory the batch holds at a yield a pass after row 0 ends
+        mx.eval(li.W)
+        mx.clear_cache()
+        base, most, ended, out, after = mx.get_active_memory(), 0, [], [[] for _ in prompts], 0
+        for i, token in li.generate_batch(prompts, max_tokens=12, batch_size=4, ended=ended):
+            out[i].append(token)
+            after += any(j == 0 for j, _ in ended)
+            if after > 4:  # every row has been through a pass since
+                most = max(most, mx.get_active_memory() - base)
+        return most, out
+
+    with_long, out = most_held([long] + short)
+    alone_short, _ = most_held([short[0]] + short)
+    assert out[1:] == alone(short, 12)
+    assert 0 < with_long <= 1.05 * alone_short, (with_long, alone_short)
+
+
 def test_command_line(checkpoint, tmp_path):
     """--prompt given 3 times and --prompts FILE: each completion after its prompt, in the
     prompts' order, equal to each prompt's own run; the batch's statistics."""

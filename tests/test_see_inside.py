@@ -100,12 +100,55 @@ def test_bytes_per_token_are_the_arrays_nbytes(checkpoint):
     assert rate == pytest.approx((w_mb + c_mb) * 1e6 * tps / 1e9, rel=2e-3, abs=1e-3)
 
 
-def test_bandwidth_is_measured(checkpoint):
-    """The machine's copy rate, timed: a positive number of bytes a second (no timing asserted);
-    --explain says what share of it decoding used."""
-    assert li.bandwidth() > 0
+def test_bandwidth_counts_the_bytes_read_the_best_of_several(monkeypatch):
+    """What bandwidth() counts and how, with no timing: size bytes over the fastest of its tries
+    (a fake clock gives each try its duration), each try reading a buffer of size bytes that was
+    written before the clock first ran (no page faults timed)."""
+    events, ticks = [], iter([0, 0.5, 1, 1.25, 2, 2.4, 3, 3.3, 4, 4.6, 5, 5.2])
+    real_eval = mx.eval
+
+    def clock():
+        events.append("clock")
+        return next(ticks)
+
+    def evaluate(*arrays):
+        events.append([a.nbytes for a in arrays])
+        return real_eval(*arrays)
+
+    monkeypatch.setattr(li, "time", type("FakeTime", (), {"perf_counter": staticmethod(clock)}))
+    monkeypatch.setattr(mx, "eval", evaluate)
+    assert li.bandwidth(size=2**20, tries=6) == pytest.approx(2**20 / 0.2)  # 5.2 - 5
+    assert events[0] == [2**20], "the buffer is written first, outside the timing"
+    assert events[1:] == ["clock", [4], "clock"] * 6  # each try: one read of it, timed alone
+    monkeypatch.undo()
+    assert li.bandwidth(size=2**20, tries=2) > 0
+
+
+def test_explain_says_what_share_of_the_bandwidth_decoding_read(checkpoint):
     r = run_cli("--model", str(checkpoint()), "-p", PROMPT, "-m", "4", "--explain")
-    assert re.search(r"this machine copies [\d.]+ GB/s .*: decoding read [\d.]+% of it", r.stdout)
+    line = re.search(r"this machine reads ([\d.]+) GB/s \(268 MB already in memory, the best of 5\)"
+                     r": decoding read ([\d.]+)% of it", r.stdout)
+    rate = re.search(r"Bytes per token: .*, ([\d.]+) GB/s at", r.stdout)
+    assert line and rate, r.stdout
+    speed, share = float(line[1]), float(line[2])
+    assert share == pytest.approx(100 * float(rate[1]) / speed, rel=0.02, abs=0.05)
+
+
+def test_where_the_last_token_looks_takes_memory_linear_in_the_prompt(checkpoint, tokenizer):
+    """attention_looks() over a 2,000-token prompt: the memory it adds (peak over what the model
+    and cache hold) stays within a bound linear in S: a few arrays of S per head, not S x S."""
+    li.load(checkpoint())
+    ids = (tokenizer.encode(PROMPT).ids * 200)[:2000]
+    cache, blocks = [None] * li.N_LAYERS, []
+    li.prefill(ids, cache, 0, blocks)
+    mx.eval(cache, blocks)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    looks = li.attention_looks(ids, blocks, cache)
+    mx.eval([w for _, w in looks])
+    added = mx.get_peak_memory() - base
+    S = len(ids)
+    assert added < 64 * S * li.N_HEADS * 4, added  # S x S float32 would be 16 MB a block
 
 
 def test_qwen35_names_the_blocks_without_weights(qwen35):
