@@ -677,6 +677,7 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
 
 # ═══ Part III — what serves it all: file checks, download, chat, the command line ═══
 import argparse, errno, os, re, shlex, signal, socket, sys, time, warnings  # noqa
+from contextlib import contextmanager  # noqa: E402
 from tokenizers.decoders import DecodeStream  # noqa: E402
 from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokenizers)
 
@@ -810,7 +811,10 @@ def weight_files(folder):
     index, files = folder / "model.safetensors.index.json", {}
     if not index.exists():
         return {folder / "model.safetensors": None}
-    for name, file in read_file(index, parse_json, "valid JSON")["weight_map"].items():
+    weight_map = read_file(index, parse_json, "valid JSON")
+    if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+        raise UserError(f"{index} has no 'weight_map' entry {{tensor: file}}: download it again")
+    for name, file in weight_map["weight_map"].items():
         files.setdefault(folder / file, []).append(name)
     return files
 
@@ -1043,6 +1047,15 @@ def chat_prompt(turns, system=None, think=True):
     thinking = "<think>\n" if MODEL == "qwen3_5" else ""  # off: an empty think block, in both
     return text + "<|im_start|>assistant\n" + (thinking if think else "<think>\n\n</think>\n\n")
 
+def thinks_first(folder):
+    """Does the folder's chat template open each answer with thinking unless told not to (Qwen3's,
+    Qwen3.5-4B's and larger), or only when enable_thinking is true (Qwen3.5-0.8B's and 2B's)?
+    Read from its text, not rendered; a folder with no template: yes."""
+    for path in (folder / "chat_template.jinja", folder / "tokenizer_config.json"):
+        if path.exists():  # the .jinja file first, as transformers reads them
+            return b"enable_thinking is defined and enable_thinking is true" not in read_file(path)
+    return True
+
 def shared_positions(cached_ids, prompt_ids):
     """Cached positions a new prompt keeps: the common prefix, short of the prompt's last token."""
     return len(os.path.commonprefix([cached_ids, prompt_ids[:-1]]))  # element by element
@@ -1115,10 +1128,11 @@ def attention_looks(prompt_ids, hidden, cache, start=0):
         looks.append((i + 1, mx.softmax(scores, axis=-1).reshape(-1, S).mean(axis=0)))  # (S,)
     return looks
 
-def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
+def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, chunk=CHUNK):
     """One completion: --explain or --show-probs, then the text as it comes (after echo) and the
     statistics (--quiet: the text alone) -> generated, the new ids, each added as it is printed.
-    keep: (position, list): the list is given the cache as it is at that position of the prompt."""
+    keep: (position, list): the list is given the cache as it is at that position of the prompt;
+    chunk: prefill()'s."""
     held = start + len(prompt_ids)
     if held >= MAX_POS:
         raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
@@ -1130,7 +1144,7 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
     head, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
     hidden = hidden_pass(head, cache, start) if args.draft and head else None  # the MTP head's
     if head and not args.draft:
-        prefill(head, cache, start)                                   # its logits never computed
+        prefill(head, cache, start, chunk=chunk)                      # its logits never computed
     # Kept at the mark: a DeltaNet state is a new array at every token; the KV buffers are
     # written over after the mark, before anything reads them.
     if saved is not None:
@@ -1141,7 +1155,7 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None):
         hidden = more if hidden is None else mx.concatenate([hidden, more])
         logits = linear(hidden[-1:], "lm_head")[-1]                   # (vocab,)
     else:
-        logits = prefill(rest, cache, mark, blocks)                   # (vocab,)
+        logits = prefill(rest, cache, mark, blocks, chunk)            # (vocab,)
     if args.explain:
         explain(prompt_ids, blocks, logits, cache, start, args.show_probs or 5)
     elif args.show_probs:
@@ -1255,6 +1269,18 @@ def reply_batch(texts, prompts, args):
           f"weights + {kv / len(ended) / 1e6:.3f} MB of keys and values (their mean at the end)",
           flush=True)
 
+STEP = 32  # tokens a chat at a terminal prefills between chances for Ctrl-C (chat_turns())
+
+@contextmanager
+def interruptible():
+    """Inside: Ctrl-C raises KeyboardInterrupt (Python's own handler), for the code to tidy up or
+    stop an answer; after, on every way out: the caller's handler again."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
 def converse(args):
     """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:
     each turn computes only what its prompt does not share with what the cache holds. At a
@@ -1266,7 +1292,14 @@ def converse(args):
         print("Type a message and press Enter; an empty line or Ctrl-D ends the chat; Ctrl-C "
               "stops an answer.", file=sys.stderr)
         args.quiet = args.quiet or not args.verbose
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with interruptible():  # the caller's Ctrl-C handler back when the chat ends
+            return chat_turns(args, at_terminal)
+    chat_turns(args, at_terminal)
+
+def chat_turns(args, at_terminal):
+    """converse()'s turns, each line read until an empty one, Ctrl-D or the input's end. At a
+    terminal the prompt is prefilled STEP tokens at a time: MLX computes a step whole, so Ctrl-C
+    takes effect after at most one (a CHUNK's wait would be seconds; prefill elsewhere keeps it)."""
     turns, cache, cached_ids, saved, mark = [], [None] * N_LAYERS, [], None, 0
     while True:
         try:  # a line typed at the ">> " prompt, or read from a pipe
@@ -1277,7 +1310,7 @@ def converse(args):
         turns.append(line.rstrip("\r\n"))
         if not turns[-1]:  # an empty line, or the end of the input
             return
-        prompt_ids = tokenize(chat_prompt(turns, args.system, not args.no_think))
+        prompt_ids = tokenize(chat_prompt(turns, args.system, args.think))
         reused = shared_positions(cached_ids, prompt_ids)
         if MODEL == "qwen3_5" and reused < len(cached_ids):
             # A DeltaNet's notes cannot be cut back: go on from the ones kept at the mark.
@@ -1287,12 +1320,12 @@ def converse(args):
             print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
         # The next turn's prompt renders this answer without its thinking, so it parts from this
         # one right after "<|im_start|>assistant\n": Qwen3.5's cache is kept as it is there.
-        mark = len(prompt_ids) - len(tokenize(chat_prompt([""], None, not args.no_think)
+        mark = len(prompt_ids) - len(tokenize(chat_prompt([""], None, args.think)
                                               .split("<|im_start|>assistant\n")[-1]))
         saved, generated = [] if MODEL == "qwen3_5" and mark > reused else None, []
         try:
-            reply(prompt_ids[reused:], args, cache, reused,
-                  keep=None if saved is None else (mark, saved), generated=generated)
+            reply(prompt_ids[reused:], args, cache, reused, keep=None if saved is None else
+                  (mark, saved), generated=generated, chunk=STEP if at_terminal else CHUNK)
             cached_ids = prompt_ids + generated  # what generate() leaves in the cache
         except KeyboardInterrupt:
             # Ctrl-C: the answer stops. The cache may hold a token more than was printed (Step 9),
@@ -1335,7 +1368,8 @@ def parse_args(argv):
     add("--num-draft-tokens", type=int, metavar="K", help="drafted at a time (mtp: 1, lookup: 3)")
     add("--chat", action="store_true", help="chat template; without --prompt: a chat")
     add("--system", help="system message, with --chat")
-    add("--no-think", action="store_true", help="switch thinking off, with --chat")
+    add("--think", action="store_true", help="thinking on, with --chat (none: as the template)")
+    add("--no-think", action="store_true", help="thinking off, with --chat")
     add("--dtype", choices=["bfloat16", "float16", "float32"], help="none: the weights' own")
     add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
     add("--explain", action="store_true", help="the steps inside (chat: each turn's)")
@@ -1357,6 +1391,8 @@ def parse_args(argv):
                "--draft mtp drafts 1 token at a time (its head predicts one ahead)"),
               (args.system is not None and not args.chat, "--system needs --chat"),
               (args.no_think and not args.chat, "--no-think needs --chat"),
+              (args.think and not args.chat, "--think needs --chat"),
+              (args.think and args.no_think, "--think and --no-think ask for opposites"),
               (args.quiet and args.verbose, "--quiet and --verbose ask for opposites"),
               (args.seed is not None and not 0 <= args.seed < 2**64,
                "--seed must be from 0 to 2**64 - 1")]
@@ -1370,6 +1406,8 @@ def parse_args(argv):
 def read_prompts(args):
     """Each --prompt's text ("-": stdin's), then --prompts FILE's lines, checked; [None]: none."""
     if sys.stdin is None:  # closed (<&-): a file opened next would get descriptor 0, which MLX's
+        if "-" in (args.prompt or []) or args.chat and not args.prompt and not args.prompts:
+            raise UserError("standard input is closed (<&-), and the prompt is read from it")
         os.open(os.devnull, os.O_RDONLY)  # safetensors reader takes for a failure: fill it first
     texts = [as_text(sys.stdin.buffer.read()) if t == "-" else t for t in args.prompt or []]
     for flag, text in [("--prompt", text) for text in texts] + [("--system", args.system)]:
@@ -1378,6 +1416,9 @@ def read_prompts(args):
     if "" in texts:
         raise UserError("the prompt is empty (see --help)")
     if args.prompts is not None:
+        if not os.path.lexists(args.prompts):  # (read_file() would name its folder first)
+            raise UserError(f"{args.prompts} does not exist (--prompts takes a file, one prompt a "
+                            "line)")
         lines = read_file(Path(args.prompts)).splitlines()
         texts += [as_text(line, args.prompts) for line in lines if line.strip()]
         if not lines or not texts:
@@ -1404,6 +1445,8 @@ def summary(folder, cfg):
             f"{size}, {str(W['model.norm.weight'].dtype).split('.')[-1]}")  # bfloat16, say
 
 def main(argv=None):
+    if sys.stdout is None:  # closed (>&-): the text would go nowhere, and the exit say success
+        raise UserError("standard output is closed (>&-): there is nowhere to write the text")
     args = parse_args(argv)
     texts = read_prompts(args)
     if args.seed is not None:
@@ -1414,13 +1457,14 @@ def main(argv=None):
         if args.chat and len(tokenize(tag)) != 1:  # a base model's tokenizer spells them out
             raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
                             "the chat tokens of Qwen3's instruct models")
+    args.think = args.chat and (args.think or not args.no_think and thinks_first(folder))
     if args.draft == "mtp" and "mtp.fc.weight" not in W:
         raise UserError(f"{folder} has no MTP head (mtp.* tensors): --draft mtp needs Qwen3.5's "
                         "own; --draft lookup drafts with any model")
     prompts = None  # --chat without a prompt: a conversation
     if texts[0] is not None or not args.chat:  # each prompt checked before any output
         texts = [text or "The capital of France is" for text in texts]
-        prompts = [tokenize(chat_prompt([t], args.system, not args.no_think)) if args.chat
+        prompts = [tokenize(chat_prompt([t], args.system, args.think)) if args.chat
                    else tokenize(t) for t in texts]
         longest = max(len(ids) for ids in prompts)
         if longest >= MAX_POS:
@@ -1439,6 +1483,13 @@ if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends it quietly, as it ends `cat`
     try:  # a UserError: its one line; a bug: its traceback
         main()
+        sys.stdout.flush()  # what is still buffered: a full disk says so here, not at exit
+    except OSError as e:  # only writing the text fails so (download(), read_file(): their own)
+        if e.errno != errno.ENOSPC:
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second try at exit
+        print("error: standard output cannot be written: no space left on device", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C in a chat at a terminal, not in an answer: it ends
         print(file=sys.stderr)
         sys.exit(130)
