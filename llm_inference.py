@@ -951,7 +951,7 @@ def complete(folder):  # does it hold what load_checked() reads? (generation_con
 def download(repo, local_dir):
     """Fetch what local_dir (None: the Hugging Face cache) lacks of repo's configs, template and
     weights (the default folder: FILES), each file announced first; then the Hub's checksums."""
-    from huggingface_hub import HfApi, constants, hf_hub_download, logging, try_to_load_from_cache
+    from huggingface_hub import HfApi, constants, logging, try_to_load_from_cache
     logging.set_verbosity_warning()  # its retries show, a line each
     warnings.filterwarnings("ignore", module="huggingface_hub")  # "not enough free disk space"
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: huggingface_hub tidies up
@@ -970,7 +970,7 @@ def download(repo, local_dir):
             if not isinstance(path, (str, Path)) or not Path(path).exists():
                 print(f"{name}: {tqdm.format_sizeof(files[name])}B from {constants.ENDPOINT}/"
                       f"{repo} into {into}", file=sys.stderr, flush=True)
-                path = fetched[name] = Path(hf_hub_download(repo, name, local_dir=local_dir))
+                path = fetched[name] = Path(fetch(repo, name, local_dir))
         name = "the checksums"  # of the files fetched now (none: the Hub is not asked)
         checked = api.verify_repo_checksums(repo, local_dir=local_dir) if fetched else None
         for bad in checked.mismatches if checked else []:
@@ -999,6 +999,28 @@ def download(repo, local_dir):
     finally:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     return Path(path).parent
+
+def fetch(repo, name, local_dir, tries=5):
+    """hf_hub_download(), tried again when the connection is reset mid-file (huggingface_hub
+    resumes a connection closed early, not a reset one), a line each time; each try starts from
+    the file's start: huggingface_hub deletes what a failed try fetched."""
+    from huggingface_hub import hf_hub_download
+    for n in range(2, tries + 1):
+        try:
+            return hf_hub_download(repo, name, local_dir=local_dir)
+        except Exception as e:  # a reset: tried again; anything else, download()'s to report
+            if not was_reset(e):
+                raise
+        print(f"{name}: the connection broke; trying again from its start ({n} of {tries})",
+              file=sys.stderr, flush=True)
+    return hf_hub_download(repo, name, local_dir=local_dir)
+
+def was_reset(error):
+    """Whether the connection was reset (TCP RST) under the error: it, or what it was raised from
+    or while handling."""
+    while error is not None and not isinstance(error, ConnectionResetError):
+        error = error.__cause__ or error.__context__
+    return error is not None
 
 def download_trouble(error, into):
     """What stopped a download, in a few words (None: none of these, a bug): the first such cause
