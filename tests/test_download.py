@@ -280,18 +280,52 @@ def test_repo_id_into_the_cache_and_its_hand_command(hub, fresh_clone, checkpoin
     assert r.returncode == 0 and r.stderr == "" and hub.requests == []
 
 
+def tried_again(n):
+    """The line a reset weights file's try number n (2 to 5) shows before it starts."""
+    return f"model.safetensors: the connection broke; trying again from its start ({n} of 5)"
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_connection_reset_mid_file_is_tried_again(hub, fresh_clone, times):
+    """The connection reset (TCP RST) after 300 kB of the weights, once or twice: the same run
+    fetches the file again, a line for each new try, and runs. huggingface_hub keeps no partial
+    file to resume from, so each try asks for the whole file (no Range)."""
+    hub.reset["model.safetensors"] = (300_000, times)
+    r = run(fresh_clone, hub)
+    assert r.returncode == 0 and "Generation: 3 tokens" in r.stdout, r.stderr
+    lines = r.stderr.splitlines()
+    assert [line for line in lines if "trying again" in line] == \
+        [tried_again(n) for n in range(2, times + 2)]
+    assert lines[-1] == tried_again(times + 1) and lines[-2].startswith("model.safetensors: ")
+    assert hub.resets_done["model.safetensors"] == times
+    gets = [r for r in hub.requests if r[0] == "GET" and r[1].endswith("/model.safetensors")]
+    assert gets == [("GET", "/Qwen/Qwen3-0.6B/resolve/main/model.safetensors", None)] * (times + 1)
+    folder = fresh_clone / "Qwen3-0.6B"
+    assert (folder / "model.safetensors").read_bytes() == \
+        hub.repos["Qwen/Qwen3-0.6B"]["model.safetensors"]
+    assert [f for f in folder.rglob("*") if f.name.endswith(".incomplete")] == []
+
+
 @pytest.mark.parametrize("fault", ["reset", "close_early"])
 def test_a_connection_that_breaks_mid_file(hub, fresh_clone, fault):
     """The connection reset (TCP RST) or closed (FIN) after 300 kB of the weights, every time:
-    huggingface_hub resumes a closed one a few times, each try shown; then one line names the
-    file and the cause, and no part of the file is kept."""
+    a reset one is tried again, 5 tries in all, and huggingface_hub resumes a closed one a few
+    times, each try shown; then one line names the file and the cause, and no part of the file
+    is kept."""
     getattr(hub, fault)["model.safetensors"] = (300_000, 99) if fault == "reset" else 300_000
     r = run(fresh_clone, hub)
     assert_error(r, "could not download model.safetensors of Qwen/Qwen3-0.6B: the connection broke "
                  "before the file was whole. To fetch it by hand")
-    assert fault == "reset" or r.stderr.count("Trying to resume download...") >= 3
+    if fault == "reset":
+        assert [line for line in r.stderr.splitlines() if "trying again" in line] == \
+            [tried_again(n) for n in range(2, 6)]
+        assert hub.resets_done["model.safetensors"] == 5
+    else:
+        assert r.stderr.count("Trying to resume download...") >= 3
+        assert "trying again" not in r.stderr  # huggingface_hub's own retries, none of ours
     folder = fresh_clone / "Qwen3-0.6B"
     assert not (folder / "model.safetensors").exists()
+    assert [f for f in folder.rglob("*") if f.name.endswith(".incomplete")] == []
 
 
 def test_a_stall_mid_file_times_out(hub, fresh_clone):
