@@ -23,7 +23,7 @@ MAX_POS = 40960  # max_position_embeddings: the longest context
 EOS_IDS = {151645, 151643}  # <|im_end|>, <|endoftext|>: the article stops on one; any stops here
 MODEL = "qwen3"  # model_type: "qwen3", or "qwen3_5" (Qwen3.5: Part II)
 QWEN35 = {}      # Qwen3.5's own config entries (Part II); {} for Qwen3
-GROW = 256       # the KV cache's buffers grow by this many positions at a time (Step 5)
+GROW = 256       # the KV cache's buffers hold a multiple of this many positions (Step 5)
 CHUNK = 512      # a long prompt goes through the model this many tokens at a time (Step 9)
 
 def use(cfg, weights, tokenizer):  # config.json's entries (and "eos_ids") -> the constants
@@ -39,16 +39,16 @@ def as_list(ids):  # an EOS entry: an id, a list of them, or null
     return ids if isinstance(ids, list) else [ids]
 
 def load(model_dir, dtype=None):
-    """config.json, the weights (mx.load) and tokenizer.json, unchecked; dtype: compute in it, not
-    the weights' own. load_checked() (Part III) checks every file and entry first, then use()."""
+    """Qwen3: config.json, the weights (mx.load) and tokenizer.json, unchecked; dtype: compute in
+    it, not the weights' own. load_checked() (Part III) checks every file and entry first."""
     folder = Path(model_dir)
     cfg = json.loads((folder / "config.json").read_text())
-    if cfg["model_type"] != "qwen3" or "quantization" in cfg:  # Qwen3.5, 4/8-bit: Part III
+    if cfg["model_type"] != "qwen3" or "quantization" in cfg:  # Qwen3.5, quantised: Part III
         return load_checked(folder, dtype)
     cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))  # or nested
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    gen = folder / "generation_config.json"  # Qwen3's EOS ids; without it (the article's four
-    released = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]  # files), these
+    gen = folder / "generation_config.json"  # Qwen3's EOS ids; the article's four files lack it:
+    released = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]  # then these
     gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else released
     cfg["eos_ids"] = set(as_list(cfg.get("eos_token_id")) + as_list(gen_eos)) - {None}
     index, files = folder / "model.safetensors.index.json", ["model.safetensors"]  # 0.6B: one file
@@ -61,7 +61,7 @@ def load(model_dir, dtype=None):
     mx.eval(weights)  # read from disk now, so that generation times only generation
     return use(cfg, weights, tok)
 
-def linear(x, name):  # x @ W[name + ".weight"].T, the article's product (4/8-bit: Part II)
+def linear(x, name):  # x @ W[name + ".weight"].T, the article's product (quantised: Part II)
     return quantized_linear(x, name) if name + ".scales" in W else x @ W[name + ".weight"].T
 
 # ═══ Step 1. Tokenize — text becomes ids, numbers in the model's own dictionary ═══
@@ -91,7 +91,7 @@ def rms_norm(x, w, eps=1e-6):
 # ═══ Step 4. RoPE — a clock hand per pair of dimensions, turned by the token's position ═══
 def rope_tables(positions, dtype, dims=None):
     """positions (L,) -> cos, signed_sin (L, 1, 2, 64), for the two halves of each head: pair i
-    turns by position * f_i. Once per pass (the article: in each layer), in the model's dtype
+    turns by position * f_i. Once per pass (the article: each layer's), in the model's dtype
     (its float32 ones would promote q, k, then all)."""
     half = (dims or D_HEAD) // 2                                      # 64
     freqs = 1.0 / THETA ** (mx.arange(half, dtype=mx.float32) / half)  # (64,) f_i
@@ -107,7 +107,7 @@ def apply_rope(x, cos, signed_sin):
     its two halves: (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin), (x2, x1) the halves reversed
     (a view: no copy, unlike the article's concatenate). The article's apply_rope(q, k): both."""
     if not isinstance(signed_sin, mx.array):  # the article's call: say ours
-        raise TypeError("apply_rope() turns one tensor: apply_rope(q, *rope_tables(positions, dt))")
+        raise TypeError("apply_rope() turns one tensor: apply_rope(q, *rope_tables(mx.array(pos), q.dtype))")
     halves = x.reshape(*x.shape[:-1], 2, -1)                          # (L, heads, 2, 64) x1, x2
     turned = halves * cos + halves[..., ::-1, :] * signed_sin         # (L, heads, 2, 64)
     return turned.reshape(x.shape)                                    # (L, heads, 128)
@@ -138,9 +138,9 @@ def cache_write(cache, layer_idx, k, v, start):
     article makes new K and V arrays each call (concatenate); here they go into buffers."""
     end = start + k.shape[0]
     keys, values = cache[layer_idx] or (mx.zeros((k.shape[1], 0, k.shape[2]), k.dtype),) * 2
-    if keys.shape[1] < end:                                           # full: GROW more positions
+    if keys.shape[1] < end:                           # full: up to end, rounded up to GROW
         more = mx.zeros((k.shape[1], -(-end // GROW) * GROW - keys.shape[1], k.shape[2]), k.dtype)
-        keys = mx.concatenate([keys, more], axis=1)                   # (8, 256 more, 128)
+        keys = mx.concatenate([keys, more], axis=1)                   # (8, S rounded up, 128)
         values = mx.concatenate([values, more], axis=1)
     keys[:, start:end] = k.transpose(1, 0, 2)                         # positions start..end-1
     values[:, start:end] = v.transpose(1, 0, 2)
@@ -282,7 +282,7 @@ def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, lo
         token, finite = upcoming
 
 # ═══ Part II — what the article leaves out: quantised weights, Qwen3.5, MTP, batching ═══
-# ═══ Quantised weights — a number in 4 or 8 bits, a scale and a bias for each group of 64 ═══
+# ═══ Quantised weights — numbers in 2 to 8 bits, a scale and a bias for each group of them ═══
 def dequantize(packed, scales, biases, bits):
     """MLX's affine quantisation undone: a row of packed (uint32) is a little-endian stream of
     bits-bit integers q, and each group of them shares a scale and a bias: w = scale * q + bias,
@@ -373,8 +373,8 @@ def delta_memory(cache, layer_idx, qkv, beta, decay):
                             mx.zeros((*lead, hv, dk, dv)))            # float32, as mx.zeros makes
     conv_state, state, *kept = cache[layer_idx]                       # (3, 6144), (16, 128, 128)
     # A short convolution first: each of the 6144 channels becomes a weighted sum of its value at
-    # this token and at the 3 before it (4 learned weights a channel), so that a key carries a
-    # little of its neighbours. conv_state keeps the last 3 tokens' inputs for the next call.
+    # this token and at the 3 before it (4 learned weights a channel), so that q, k and v carry
+    # a little of the tokens before. conv_state keeps the last 3 tokens' inputs for the next call.
     window = mx.concatenate([conv_state, qkv], axis=-2)               # (3 + L, 6144)
     conv = W[p + "conv1d.weight"]                                     # (6144, 4) a filter each
     qkv = sum(window[..., j:j + L, :] * conv[:, j] for j in range(width))  # (L, 6144)
@@ -406,8 +406,8 @@ def delta_step(state, q, k, v, decay, beta):
 
 # ═══ Multi-token prediction — a quick guess at the next tokens, checked in one pass ═══
 # Decoding waits on memory: a pass over 2 tokens costs about what one over 1 does. So guess the
-# token after the next cheaply (a draft: Qwen3.5's MTP head, or the text so far) and let the model
-# check it in one pass over [next, draft]: if its own choice after `next` is the draft, both stand.
+# tokens after the next cheaply (drafts: Qwen3.5's MTP head's one, or the text so far) and let the
+# model check them in one pass over [next, drafts]: each draft it also chooses, in turn, stands.
 # Every token emitted is the model's own choice (mlx-lm's rule): greedy, generate()'s (bit for bit
 # in float32); sampled, its distribution. The article's "a little quality" is not lost here.
 def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
@@ -425,7 +425,7 @@ def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
     return linear(rms_norm(x, W["mtp.norm.weight"], EPS), "lm_head")  # (L, vocab)
 
 def lookup_draft(history, n_draft, longest=3):
-    """Prompt lookup: the last n ids (n = 3, then 2, 1) found earlier in history -> the n_draft
+    """Prompt lookup: the last n ids (n = 3, then 2, 1) found earlier in history -> up to n_draft
     ids that followed their latest earlier match ([] if none)."""
     for n in range(longest, 0, -1):
         for i in range(len(history) - n - 1, -1, -1):
@@ -533,7 +533,7 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
 # slot for the next prompt: a batch holds B sequences' memory, however many prompts wait.
 
 class Row:
-    """One prompt of a batch: "waiting"; "prefilling" (its cache filled alone, its last id in the
+    """One prompt of a batch: "waiting"; "prefilling" (its cache filled apart, its last id in the
     next pass); "decoding" (token: its id at pos, lazy, finite: its logits' check); "done"."""
     def __init__(self, i, ids, max_tokens):
         self.i, self.ids, self.status = i, ids, "waiting"
@@ -572,7 +572,7 @@ def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     B, L, S = visible.shape
     q, k, v = (t.reshape(B, L, *t.shape[1:]) for t in (q, k, v))     # (B, L, heads, hd)
     keys, values = cache[layer_idx] or (mx.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype),) * 2
-    room = -(-S // GROW) * GROW                                       # GROW positions at a time
+    room = -(-S // GROW) * GROW                                       # S up to a multiple of GROW
     keys, values = padded(keys, 2, room), padded(values, 2, room)     # (B, 8, room, 128)
     at = positions.reshape(B, 1, L, 1)                                # row b's L positions
     keys = mx.put_along_axis(keys, at, k.swapaxes(1, 2), axis=2)      # (B, 8, room, 128)
@@ -625,7 +625,7 @@ def prefill_rows(prompts):
 def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=None):
     """Yield (i, id) for the tokens of prompts[i] (lists of ids), each as generate() gives it alone.
     Up to batch_size sequences decode together; one that ends (EOS, max_tokens, the context's end)
-    frees its slot, and the next waiting prompt fills its cache alone and takes it: continuous
+    frees its slot, and the next waiting prompt fills its cache apart and takes it: continuous
     batching. ended: a list, given (i, the positions its cache held) as each sequence ends."""
     waiting, slots = [Row(i, ids, max_tokens) for i, ids in enumerate(prompts)], []
     cache = [None] * N_LAYERS  # one per layer for all slots; slots[b]: the Row in slot b
@@ -642,13 +642,13 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
             take_slots(cache, group, prefill_rows([slots[b].ids for b in group]))
         # A joining row's last id rides in the next batch pass at its own position: that row's
         # logits are its prompt's, and the weights are read once for all rows, not once more.
-        # Free slots go once no prompt is left to take them, and the positions no row reaches
-        # (a long row's, ended) go with them, as mlx-lm's BatchKVCache.filter trims: copies of
-        # the rows and positions kept (a slice alone is a view: it would keep the whole buffer).
+        # Free slots go once no prompt is left to take them; positions past every row's reach
+        # (a long row's, ended) go whenever the buffers hold more, as mlx-lm's BatchKVCache.filter
+        # trims: copies of what is kept (a slice alone is a view: it keeps the whole buffer).
         live = [b for b, row in enumerate(slots) if row is not None]
         if not live:  # every prompt done
             return
-        room = -(-(max(slots[b].pos for b in live) + 1) // GROW) * GROW  # the next pass's S
+        room = -(-(max(slots[b].pos for b in live) + 1) // GROW) * GROW  # the next pass's buffer
         held = max([entry[0].shape[2] for i, entry in enumerate(cache)
                     if entry is not None and not deltanet(i)], default=0)
         if len(live) < len(slots) or held > room:
@@ -840,7 +840,7 @@ def read_weights(folder, cfg, dtype):
                 and ".linear_attn." not in name:
             weights[name] = w + 1
         if dtype is not None and w.dtype != mx.uint32 and not name.endswith("A_log"):
-            weights[name] = weights[name].astype(dtype)  # packed bits stay packed, A_log float32
+            weights[name] = weights[name].astype(dtype)  # packed bits stay packed, A_log as stored
     if cfg["tie_word_embeddings"]:  # one table, both ways (a stored copy is not used)
         for part in (".weight", ".scales", ".biases"):  # a quantised table has all three
             weights["lm_head" + part] = weights.get("model.embed_tokens" + part)
@@ -854,7 +854,7 @@ def read_weights(folder, cfg, dtype):
     for name, total in sums.items():  # (a sum can overflow float16 alone: then check each value)
         if not mx.isfinite(total).item() and not mx.isfinite(weights[name]).all().item():
             why = "the file is damaged; download it again"
-            if dtype is not None:  # the cast to dtype (mlx.core.float16, say) made them inf
+            if dtype is not None:  # a dtype given: taken to be the cast's doing
                 why = f"its values are too large for {str(dtype)[9:]} (float32 holds them)"
             raise UserError(f"tensor {name} in {source[name]} holds NaN or inf: {why}")
     return weights
@@ -950,11 +950,21 @@ def complete(folder):  # does it hold what load_checked() reads? (generation_con
 
 def download(repo, local_dir):
     """Fetch what local_dir (None: the Hugging Face cache) lacks of repo's configs, template and
-    weights (the default folder: FILES), each file announced first; then the Hub's checksums."""
-    from huggingface_hub import HfApi, constants, logging, try_to_load_from_cache
+    weights (the default folder: FILES), each file announced first; then the Hub's checksums.
+    Meanwhile Ctrl-C lets huggingface_hub tidy up, and its retries show; after, on every way
+    out, the caller's settings again."""
+    from huggingface_hub import logging
+    verbosity = logging.get_verbosity()
     logging.set_verbosity_warning()  # its retries show, a line each
-    warnings.filterwarnings("ignore", module="huggingface_hub")  # "not enough free disk space"
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: huggingface_hub tidies up
+    try:
+        with interruptible(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module="huggingface_hub")  # "not enough free disk"
+            return fetch_missing(repo, local_dir)
+    finally:
+        logging.set_verbosity(verbosity)
+
+def fetch_missing(repo, local_dir):  # download()'s work -> the folder
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
     api, name, fetched, into = HfApi(), "the file list", {}, local_dir or constants.HF_HUB_CACHE
     print(f"{repo}: asking {constants.ENDPOINT} which files to fetch into {into}",
           file=sys.stderr, flush=True)
@@ -996,8 +1006,6 @@ def download(repo, local_dir):
                 '"*.safetensors"'
         raise UserError(f"could not download {name} of {repo}: {why}. To fetch it by hand, run "
                         f"this, then the same command again: {command}") from None
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
     return Path(path).parent
 
 def fetch(repo, name, local_dir, tries=5):
@@ -1236,8 +1244,8 @@ def print_stats(n_prompt, n, tic, t_first, cache, held):
 
 def token_bytes(cache, held):
     """What decoding one token reads -> (its weights' bytes, its cache's): each weight it uses
-    once (of the embedding one row, unless the LM head reads the same table; the MTP head's not
-    at all), the keys and values of held positions, a DeltaNet's notes whole."""
+    once (the embedding's one row left out, a tied table counted once as the LM head; the MTP
+    head's not at all), the keys and values of held positions, a DeltaNet's notes whole."""
     skipped = ("model.embed_tokens", "mtp.", f"model.layers.{N_LAYERS}.")
     used = {id(w): w for name, w in W.items() if not name.startswith(skipped)}  # tied: once
     return sum(w.nbytes for w in used.values()), \
@@ -1476,7 +1484,7 @@ def main(argv=None):
     folder = model_folder(args.model)
     cfg = load_checked(folder, args.dtype and getattr(mx, args.dtype))
     for tag in ("<|im_start|>", "<|im_end|>"):
-        if args.chat and len(tokenize(tag)) != 1:  # a base model's tokenizer spells them out
+        if args.chat and len(tokenize(tag)) != 1:  # a tokenizer without them spells them out
             raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
                             "the chat tokens of Qwen3's instruct models")
     args.think = args.chat and (args.think or not args.no_think and thinks_first(folder))
