@@ -387,3 +387,38 @@ def test_standard_output_on_a_full_disk(checkpoint):
         r = subprocess.run([sys.executable, str(ROOT / "llm_inference.py"), "--model", str(checkpoint()),
                             "-m", "3"], stdout=full, stderr=subprocess.PIPE, timeout=120)
     assert r.returncode == 1 and "No space left on device" in r.stderr.decode()
+
+
+SETTINGS = """
+import signal, sys, warnings
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from huggingface_hub import logging
+import llm_inference as li
+def mine(signum, frame):
+    pass
+signal.signal(signal.SIGINT, mine)
+logging.set_verbosity_error()
+before = list(warnings.filters)
+try:
+    li.download("Qwen/Qwen3-0.6B", Path(sys.argv[2]))
+    print("fetched")
+except SystemExit as e:
+    print("failed:", e)
+print(signal.getsignal(signal.SIGINT) is mine, logging.get_verbosity() == logging.ERROR,
+      warnings.filters == before)
+"""
+
+
+@pytest.mark.parametrize("answer", [200, 500])
+def test_download_gives_the_callers_settings_back(hub, fresh_clone, answer):
+    """download() called from a notebook: whether it fetches or fails, the caller's SIGINT handler,
+    huggingface_hub's verbosity and the warning filters are as they were before it."""
+    if answer != 200:
+        hub.status["model.safetensors"] = answer
+    r = subprocess.run([sys.executable, "-c", SETTINGS, str(fresh_clone), str(fresh_clone / "m")],
+                       env=environment(hub, fresh_clone / "hf"), capture_output=True, timeout=120)
+    out = r.stdout.decode()
+    assert r.returncode == 0, r.stderr.decode()
+    assert ("fetched" if answer == 200 else "failed: error: could not download") in out, out
+    assert out.strip().splitlines()[-1] == "True True True", out

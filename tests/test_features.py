@@ -319,3 +319,43 @@ def test_conversation_through_a_pipe_has_no_hint_nor_prompt(checkpoint):
     r = run_cli("--model", str(checkpoint()), "--chat", "-m", "3", stdin=b"Hello there\nAnd Japan?\n")
     assert r.returncode == 0 and r.stderr == ""
     assert ">>" not in r.stdout and r.stdout.count("[KV cache: ") == 2
+
+
+class TypedLines:
+    """A stand-in for a terminal's standard input: isatty(), and the lines a person types."""
+    def __init__(self, *lines):
+        self.lines = list(lines)
+
+    def isatty(self):
+        return True
+
+    def readline(self):
+        return self.lines.pop(0) if self.lines else ""  # "": Ctrl-D
+
+
+@pytest.mark.parametrize("lines", [["Hi\n", "\n"], ["Hi\n"]])  # an empty line ends it, or Ctrl-D
+def test_a_terminal_chat_gives_the_callers_ctrl_c_handler_back(checkpoint, monkeypatch, lines):
+    """converse() at a terminal lets Ctrl-C stop an answer while it runs; once the chat ends, the
+    SIGINT handler is the caller's again (a notebook's, say)."""
+    import signal
+    li.load(checkpoint())
+    during = []
+
+    def mine(signum, frame):
+        pass
+
+    reply = li.reply
+
+    def watched(*args, **kwargs):  # the handler while an answer runs
+        during.append(signal.getsignal(signal.SIGINT))
+        return reply(*args, **kwargs)
+
+    monkeypatch.setattr(li, "reply", watched)
+    monkeypatch.setattr(sys, "stdin", TypedLines(*lines))
+    previous = signal.signal(signal.SIGINT, mine)
+    try:
+        li.converse(li.parse_args(["--chat", "-m", "2"]))
+        assert during == [signal.default_int_handler]
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)
