@@ -206,14 +206,17 @@ def test_command_line_plain_explain_and_memories(qwen35, tokenizer):
             f"allocated)\nDeltaNet state: 3 layers, {states / 1e6:.3f} MB at any length") in plain.stdout
 
 
-@pytest.mark.parametrize("think, draft", [(True, []), (False, []), (True, ["--draft", "mtp"])])
-def test_conversation_turn_equals_a_fresh_run(qwen35, tokenizer, think, draft):
+@pytest.mark.parametrize("flag, draft", [("--think", []), ("--no-think", []), (None, []),
+                                        ("--think", ["--draft", "mtp"])])
+def test_conversation_turn_equals_a_fresh_run(qwen35, tokenizer, flag, draft):
     """A recurrent state cannot be cut back to a common prefix, and the template drops the answer's
     thinking, so the next prompt parts from the cache right after "<|im_start|>assistant\n": the
     cache is kept as it was there, and the next turn goes on from it (every turn reuses all the
-    conversation up to that answer). Each reply equals a fresh run of its whole prompt."""
+    conversation up to that answer). Each reply equals a fresh run of its whole prompt. With no
+    flag, thinking is the template's default: off (the fixture's is Qwen3.5-0.8B's kind)."""
     folder = qwen35(tied=False)
-    flags = ([] if think else ["--no-think"]) + draft  # drafting: the same ids, the same reuse
+    think = flag == "--think"
+    flags = ([flag] if flag else []) + draft  # drafting: the same ids, the same reuse
     r = run_cli("--model", str(folder), "--chat", "-m", "6", *flags,
                 stdin=b"Hello there\nAnd Japan?\nAnd Korea?\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
@@ -248,6 +251,41 @@ def test_chat_prompt_is_qwen35_template(qwen35, system, think):
     expected = load_tokenizer(Path(folder)).apply_chat_template(
         messages, add_generation_prompt=True, enable_thinking=think)
     assert li.tokenize(li.chat_prompt(turns, system, think)) == list(expected)
+
+
+THINKING_OFF = "{%- if enable_thinking is defined and enable_thinking is true %}<think>{% endif %}"
+THINKING_ON = "{%- if enable_thinking is defined and enable_thinking is false %}<think>{% endif %}"
+
+
+@pytest.mark.parametrize("files, thinks", [
+    ({}, True),  # no template: as before, thinking on
+    ({"tokenizer_config.json": json.dumps({"chat_template": THINKING_ON})}, True),  # Qwen3's
+    ({"tokenizer_config.json": json.dumps({"chat_template": THINKING_OFF})}, False),  # 0.8B, 2B
+    ({"chat_template.jinja": THINKING_OFF}, False),
+    ({"chat_template.jinja": THINKING_ON,  # the .jinja file first, as transformers reads them
+      "tokenizer_config.json": json.dumps({"chat_template": THINKING_OFF})}, True)])
+def test_thinking_follows_the_folders_template(tmp_path, files, thinks):
+    """Qwen3.5-0.8B's and 2B's templates think only when enable_thinking is true, 4B's and larger
+    (and Qwen3's) unless it is false: read from the template's text, never rendered."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert li.thinks_first(tmp_path) is thinks
+
+
+@pytest.mark.parametrize("flags, think", [([], False), (["--think"], True), (["--no-think"], False)])
+def test_chat_prompt_thinks_as_the_template_or_the_flag_says(qwen35, monkeypatch, flags, think):
+    """--chat with a prompt on a folder whose template is the small models' (no thinking unless
+    asked): the prompt sent is chat_prompt()'s with thinking off, unless --think."""
+    folder = qwen35()
+    sent = []
+
+    def reply(ids, *args, **kwargs):  # the prompt's ids, never run
+        sent.append(ids)
+
+    monkeypatch.setattr(li, "reply", reply)
+    li.main(["--model", str(folder), "--chat", "-p", "Hi", "-q", *flags])
+    assert sent == [li.tokenize(li.chat_prompt(["Hi"], None, think))]
+    assert li.chat_prompt(["Hi"], None, True) != li.chat_prompt(["Hi"], None, False)
 
 
 @pytest.mark.parametrize("change, needle", [
