@@ -12,6 +12,7 @@
     python tests/benchmark.py --batches 16,32 --no-plain-runs   # without the B plain runs
     python tests/benchmark.py --qwen35 --draft mtp   # drafting: heads that agree, half agree, random
     python tests/benchmark.py --draft lookup         # prompt lookup on Qwen3, a repetitive prompt
+    python tests/benchmark.py --bandwidth            # --explain's memory figure beside numpy's copy
 
 Runs alternate between the two implementations (ours, mlx-lm, ours, mlx-lm, ...) after one
 warm-up each, and each figure is the median over --runs. Prefill tokens/s = prompt tokens / time
@@ -240,6 +241,27 @@ def draft_cost(runs=10):
     return statistics.median(times["head"]) / statistics.median(times["step"])
 
 
+def bandwidth_rows(rounds=5, size=2**28):
+    """--explain's memory figure, li.bandwidth() (the best of 5 reads of size bytes already in
+    memory), beside numpy copying the same bytes between two buffers already written (the best of
+    5; counted once, the bytes read, as the figure counts them), interleaved, medians of rounds."""
+    import numpy as np
+    source, target = np.ones(size // 4, np.float32), np.zeros(size // 4, np.float32)
+    ours, copies = [], []
+    for _ in range(rounds):
+        ours.append(li.bandwidth(size))
+        best = float("inf")
+        for _ in range(5):
+            tic = time.perf_counter()
+            np.copyto(target, source)
+            best = min(best, time.perf_counter() - tic)
+        copies.append(size / best)
+    a, b = statistics.median(ours), statistics.median(copies)
+    print(f"{mx.default_device()}, {size / 1e6:.0f} MB, medians of {rounds} rounds")
+    print(f"li.bandwidth() reads {a / 1e9:.2f} GB/s; numpy copies {b / 1e9:.2f} GB/s (read, and as "
+          f"much written); ratio {a / b:.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a Qwen3 folder; default: write random weights")
@@ -255,7 +277,10 @@ def main():
     ap.add_argument("--batches", help="batch sizes, e.g. 1,4,16: the batching rows only")
     ap.add_argument("--no-plain-runs", action="store_true", help="batching: skip the B plain runs")
     ap.add_argument("--draft", choices=["mtp", "lookup"], help="the drafting rows only")
+    ap.add_argument("--bandwidth", action="store_true", help="--explain's figure beside numpy's copy")
     args = ap.parse_args()
+    if args.bandwidth:
+        return bandwidth_rows()
     tmp = tempfile.TemporaryDirectory()
     folder = args.model
     if folder is None and args.shape == "small":
