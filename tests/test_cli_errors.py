@@ -5,6 +5,7 @@ fixtures, or deliberately broken copies of them.
 """
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -537,17 +538,70 @@ def test_prompt_argument_that_is_not_utf8(checkpoint):
     assert_error(r, "--prompt is not UTF-8 text (invalid continuation byte at byte 3)")
 
 
+# The standard streams, closed or full (issue 35): one line, exit status 1, no traceback.
+def run_redirected(folder, *flags, redirect, env=None):
+    """The command line through bash, its streams redirected as `redirect` says (`> /dev/full`,
+    `>&-`, `<&-`): stderr captured, and stdout unless the redirection takes it."""
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable, str(ROOT / "llm_inference.py"), "--model",
+                                            str(folder), *flags]) + " " + redirect
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", **(env or {}))
+    return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
+
+
+def assert_one_line(r, *needles):
+    """assert_error(), and exit status 1 exactly, nothing of Python's own on stderr."""
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert_error(r, *needles)
+
+
+@pytest.mark.parametrize("env", [{}, {"PYTHONUNBUFFERED": "1"}], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize("flags", [[], ["--quiet"]], ids=["stats", "quiet"])
+def test_standard_output_on_a_full_disk(checkpoint, env, flags):
+    """`> /dev/full`: every write fails (ENOSPC), at a flush or at once when unbuffered. One line
+    names standard output and the cause (once Python's own traceback: issue 35)."""
+    r = run_redirected(checkpoint(), "-m", "3", *flags, redirect="> /dev/full", env=env)
+    assert_one_line(r, "standard output", "no space left on device")
+
+
+def test_standard_output_closed(checkpoint):
+    """`>&-`: nothing could be shown; once it ran to the end silently, exit status 0."""
+    r = run_redirected(checkpoint(), "-m", "3", redirect=">&-")
+    assert_one_line(r, "error: standard output is closed")
+
+
 @pytest.mark.parametrize("flags", [["--prompt", "-"], ["--chat"]])
 def test_closed_standard_input_where_the_prompt_comes_from(checkpoint, flags):
-    """Started with standard input closed (`<&-`) where the prompt is read from it: a rare case
-    left to Python's own error (issue 35): it fails, with no text generated."""
-    cmd = " ".join([sys.executable, str(ROOT / "llm_inference.py"), "--model", str(checkpoint()),
-                    *flags, "-m", "2", "<&-"])
-    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "==========" not in r.stdout and "NoneType" in r.stderr, r.stderr
+    """Started with standard input closed (`<&-`) where the prompt is read from it: one line
+    (once Python's AttributeError on None), no text generated."""
+    r = run_redirected(checkpoint(), *flags, "-m", "2", redirect="<&-")
+    assert_one_line(r, "error: standard input is closed")
+    assert "==========" not in r.stdout
 
 
 def test_closed_standard_input_when_it_is_not_needed(checkpoint):
     cmd = f"{sys.executable} {ROOT / 'llm_inference.py'} --model {checkpoint()} --prompt Hi -m 2 <&-"
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "Generation: 2 tokens" in r.stdout, r.stderr
+
+
+def test_prompts_file_that_does_not_exist(checkpoint, tmp_path):
+    """--prompts FILE missing: the line names the file as given (once `error: . lacks nothere.txt`,
+    the folder "." and the file apart, as for a model's files)."""
+    r = run_cli("--model", str(checkpoint()), "--prompts", "nothere.txt", cwd=tmp_path)
+    assert_one_line(r, "nothere.txt", "does not exist")
+    assert not r.stderr.startswith("error: . lacks"), r.stderr
+
+
+@pytest.mark.parametrize("weight_map", ["missing", [], "model-00001-of-00003.safetensors"],
+                         ids=["missing", "a list", "a string"])
+def test_index_without_a_weight_map(checkpoint, tmp_path, weight_map):
+    """model.safetensors.index.json without a "weight_map" object: one line naming the index and
+    its entry (once a KeyError's traceback, or an AttributeError's)."""
+    folder = Path(shutil.copytree(checkpoint(shards=3), tmp_path / "sharded"))
+    index = folder / "model.safetensors.index.json"
+    edit_json(index, lambda data: {k: v for k, v in data.items() if k != "weight_map"}
+              | ({} if weight_map == "missing" else {"weight_map": weight_map}))
+    r = run_cli("--model", str(folder), "-m", "2")
+    assert_one_line(r, str(index), "weight_map")
+    assert r.stdout == ""

@@ -380,15 +380,6 @@ def test_a_folder_that_cannot_be_written(hub, fresh_clone, kind):
                      f"where it goes ({folder})")
 
 
-def test_standard_output_on_a_full_disk(checkpoint):
-    """> /dev/full: a rare case left to Python's own error (issue 35): exit status 1, the cause
-    named (and `| head` still ends quietly: tested in test_cli_errors.py)."""
-    with open("/dev/full", "w") as full:
-        r = subprocess.run([sys.executable, str(ROOT / "llm_inference.py"), "--model", str(checkpoint()),
-                            "-m", "3"], stdout=full, stderr=subprocess.PIPE, timeout=120)
-    assert r.returncode == 1 and "No space left on device" in r.stderr.decode()
-
-
 SETTINGS = """
 import signal, sys, warnings
 sys.path.insert(0, sys.argv[1])
