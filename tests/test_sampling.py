@@ -151,3 +151,36 @@ def test_top_p_equal_to_a_cumulative_mass_keeps_the_smallest_set_that_reaches_it
     first = mx.softmax(logits.astype(mx.float32) / 1.0)[0].item()
     assert {li.sample(logits, temperature=1.0, top_p=first).item() for _ in range(200)} == {0}
     assert {li.sample(logits, temperature=1.0, top_p=first + 1e-6).item() for _ in range(300)} == {0, 1}
+
+
+def test_top_p_one_cuts_no_tail_of_a_peaked_distribution(monkeypatch):
+    """Qwen3's 151,936 logits, one 30 above the rest: the others' probabilities are tiny but not 0
+    (about 9e-14 each), and the top one's, 1 - 1.4e-8, is 1.0 in float32, so the mass before
+    each other token is 1.0. top_p=1.0 (no cut: mlx-lm's default) must leave every token drawable: the logits
+    that reach mx.random.categorical hold no -inf."""
+    vocab = 151936
+    logits = mx.zeros(vocab).at[1234].add(30.0)
+    probs = mx.softmax(logits)
+    assert (probs > 0).all().item()  # every token can be drawn
+    ordered = mx.sort(probs)[::-1]
+    assert mx.cumsum(ordered, inclusive=False)[1].item() >= 1.0  # float32's mass is 1.0 at once
+    seen, categorical = [], mx.random.categorical
+
+    def capture(masked, *args, **kwargs):
+        seen.append(masked)
+        return categorical(masked, *args, **kwargs)
+    monkeypatch.setattr(mx.random, "categorical", capture)
+    li.sample(logits, temperature=1.0, top_p=1.0).item()
+    assert len(seen) == 1 and seen[0].shape[-1] == vocab
+    cut = (seen[0] == -mx.inf).sum().item()
+    assert cut == 0, f"top_p=1.0 cut {cut} of {vocab} tokens"
+
+
+def test_top_k_flag_reaches_the_sampler(checkpoint):
+    """--temperature 5 --top-k 1: the likeliest token alone, so the greedy text, whatever the
+    seed; --temperature 5 alone, with the same seed, writes another."""
+    args = ("--model", str(checkpoint()), "--prompt", "Once upon a time", "-m", "12", "--seed", "3")
+    text = lambda *extra: run_cli(*args, *extra).stdout.split("==========")[1]  # noqa: E731
+    greedy = text()
+    assert text("--temperature", "5", "--top-k", "1") == greedy
+    assert text("--temperature", "5") != greedy
