@@ -52,9 +52,9 @@ class Clock:
 
 
 def test_the_statistics_time_the_prompt_to_its_first_token(checkpoint, tokenizer, monkeypatch, capsys):
-    """Prompt: its tokens over the time to the first token; Generation: the tokens after the first
-    over the time since it (mlx-lm's rates). With a clock that reads 1 s later each time: the
-    prompt read at t=1, the first token at t=2, the end at t=3."""
+    """Prompt: its tokens over the time to the first token; Generation: every token, the first
+    too, over the time from the first to the end (mlx-lm's rates). With a clock that reads 1 s
+    later each time: the prompt read at t=1, the first token at t=2, the end at t=3."""
     li.load(checkpoint())
     ids = tokenizer.encode("Once upon a time").ids
     args = argparse.Namespace(max_tokens=6, explain=False, show_probs=0, draft=None, quiet=False,
@@ -64,8 +64,31 @@ def test_the_statistics_time_the_prompt_to_its_first_token(checkpoint, tokenizer
     out = capsys.readouterr().out
     assert len(generated) > 2  # (a first token, and more than one after it)
     assert f"Prompt: {len(ids)} tokens, {len(ids) / 1:.3f} tokens-per-sec" in out
-    assert f"Generation: {len(generated)} tokens, {len(generated) - 1:.3f} tokens-per-sec" in out
+    assert f"Generation: {len(generated)} tokens, {len(generated) / 1:.3f} tokens-per-sec" in out
 
+
+def test_the_generation_rate_counts_every_token(checkpoint, tokenizer, monkeypatch, capsys):
+    """print_stats() alone, its clock fixed at the end: n tokens over the time from the first
+    token to the end, as mlx-lm counts (n, not n - 1); the bytes-per-token line's GB/s at that
+    same rate. The times are exact in binary: 8 tokens over 2**-10 s are 8192 tokens-per-sec."""
+    li.load(checkpoint())
+    ids = tokenizer.encode("Once upon a time").ids
+    cache = [None] * li.N_LAYERS
+    generated = list(li.generate(ids, max_tokens=8, cache=cache))
+    n, held = len(generated), len(ids)
+    assert n == 8
+    tic, t_first, t_end = 0.0, 1.0, 1.0 + 2**-10
+    monkeypatch.setattr(li.time, "perf_counter", lambda: t_end)
+    returned = li.print_stats(held, n, tic, t_first, cache, held)
+    out = capsys.readouterr().out
+    rate = n / (t_end - t_first)
+    assert rate == 8192.0
+    assert f"Prompt: {held} tokens, {held / (t_first - tic):.3f} tokens-per-sec" in out
+    assert f"Generation: {n} tokens, {rate:.3f} tokens-per-sec\n" in out, out
+    weights, memory = li.token_bytes(cache, held + n)
+    assert (f"Bytes per token: {weights / 1e6:.3f} MB of weights + {memory / 1e6:.3f} MB of cache, "
+            f"{(weights + memory) * rate / 1e9:.3f} GB/s at {rate:.3f} tokens-per-sec") in out, out
+    assert returned == (weights + memory) * rate  # the bytes a second, for --explain's share
 
 def test_one_logit_that_is_not_finite_stops_before_any_text(checkpoint, tokenizer, tmp_path):
     """One row of lm_head built to overflow float16 after this prompt (60000 x the sign of each
