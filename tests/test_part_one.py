@@ -2,8 +2,10 @@
 by itself in a fresh interpreter (as a notebook cell would run it), loads a dense Qwen3 folder and
 produces exactly the tokens the whole file produces through the command line's checked loading."""
 import json
+import shutil
 import subprocess
 from functools import partial
+from pathlib import Path
 import sys
 
 import mlx.core as mx
@@ -76,3 +78,40 @@ def test_the_articles_apply_rope_call_says_ours(checkpoint):
     q = mx.ones((3, li.N_HEADS, li.D_HEAD))
     with pytest.raises(TypeError, match=r"apply_rope\(q, \*rope_tables\(positions, dt\)\)"):
         li.apply_rope(q, q, [0, 1, 2])
+
+
+@pytest.fixture
+def four_files(checkpoint, tokenizer, tmp_path):
+    """The article's four files only (no generation_config.json), config.json's eos_token_id
+    <|endoftext|> alone, as a base model's; lm_head's <|im_end|> row made to point along the
+    last hidden state of PROMPT, so that the greedy answer's first token is <|im_end|>."""
+    folder = Path(shutil.copytree(checkpoint(), tmp_path / "four"))
+    (folder / "generation_config.json").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = tokenizer.token_to_id("<|endoftext|>")
+    (folder / "config.json").write_text(json.dumps(config))
+    li.load_checked(folder)
+    blocks = []
+    li.forward(li.tokenize(PROMPT), [None] * li.N_LAYERS, 0, blocks)
+    h = li.rms_norm(blocks[-1][-1], li.W["model.norm.weight"], li.EPS)  # (D,) what lm_head reads
+    weights = mx.load(str(folder / "model.safetensors"))
+    weights["lm_head.weight"][tokenizer.token_to_id("<|im_end|>")] = 10 * h
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    assert sorted(f.name for f in folder.iterdir()) == ["config.json", "model.safetensors",
+                                                        "tokenizer.json", "tokenizer_config.json"]
+    return folder
+
+
+def test_part_one_and_the_full_loader_agree_on_eos(four_files, tokenizer):
+    """Without generation_config.json, Qwen3's two EOS ids come from the tokenizer: Part I's load()
+    and Part III's load_checked() both stop on <|im_end|> and <|endoftext|>, though config.json
+    names only the second. The greedy answer here would open with <|im_end|>: no token at all,
+    in the whole file and in Part I alone."""
+    im_end, endoftext = tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")
+    ids = li.tokenize(PROMPT)
+    for loader in (li.load, li.load_checked):
+        loader(four_files)
+        assert {im_end, endoftext} <= set(li.EOS_IDS), (loader.__name__, li.EOS_IDS)
+        assert mx.argmax(li.prefill(ids, [None] * li.N_LAYERS)).item() == im_end  # greedy's choice
+        assert list(li.generate(ids, max_tokens=12)) == [], loader.__name__
+    assert part_one_alone(four_files, "none")["greedy"] == []
