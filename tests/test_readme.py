@@ -37,3 +37,23 @@ def test_the_readme_tiny_checkpoint_commands_run_as_written(tmp_path):
                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.startswith(f"Qwen3 from {tmp_path / 'tiny'}: 3 layers") and "block 3" in r.stdout
+
+
+def statistics_labels(text):
+    """The label (before its first ':') of each line after a run's second "==========" line."""
+    after = text.split("==========\n")[2]
+    return [line.split(":")[0] for line in after.splitlines() if line.strip()]
+
+
+def test_the_readme_sample_run_shows_every_statistics_line(checkpoint):
+    """The sample run under "This script prints a summary" shows every statistics line a run
+    prints, in its order: the labels of a run on the tiny checkpoint are the README's."""
+    from test_cli_errors import run_cli
+    r = run_cli("--model", str(checkpoint()), "-m", "3")
+    assert r.returncode == 0, r.stderr
+    printed = statistics_labels(r.stdout)
+    assert printed[:2] == ["Prompt", "Generation"] and "Bytes per token" in printed
+    readme = (ROOT / "README.md").read_text()
+    sample = readme.split("This script prints a summary of the model")[1].split("```\n")[1]
+    assert sample.startswith("Qwen3 from ") and sample.count("==========\n") == 2, sample
+    assert statistics_labels(sample) == printed
