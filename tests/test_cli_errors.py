@@ -127,6 +127,8 @@ def test_tensor_missing_or_wrong_shape(broken):
     (["--show-probs", "-1"], "--show-probs must be 0 or more"),
     (["--seed", "-1"], "--seed must be from 0 to 2**64 - 1"),
     (["--seed", str(2**64)], "--seed must be from 0 to 2**64 - 1"),
+    (["--think"], "--think needs --chat"),
+    (["--chat", "--think", "--no-think"], "--think and --no-think ask for opposites"),
 ])
 def test_bad_flags(checkpoint, args, needle):
     assert_error(run_cli("--model", str(checkpoint()), *args), needle)

@@ -76,8 +76,10 @@ def test_part_one_is_what_its_banner_says():
 def test_the_articles_apply_rope_call_says_ours(checkpoint):
     li.load(checkpoint())
     q = mx.ones((3, li.N_HEADS, li.D_HEAD))
-    with pytest.raises(TypeError, match=r"apply_rope\(q, \*rope_tables\(positions, dt\)\)"):
+    with pytest.raises(TypeError, match=r"apply_rope\(q, \*rope_tables\(mx.array\(pos\), q.dtype\)\)"):
         li.apply_rope(q, q, [0, 1, 2])
+    pos = [0, 1, 2]  # the hint's call runs as written
+    assert li.apply_rope(q, *li.rope_tables(mx.array(pos), q.dtype)).shape == q.shape
 
 
 @pytest.fixture
