@@ -150,15 +150,14 @@ def cache_write(cache, layer_idx, k, v, start):
 def attend(q, k, v, visible):
     """q: (L, H, hd), k, v: (KV, S, hd) -> (L, H * hd): softmax(q k^T / sqrt(hd)) v per head. The
     article repeats each KV head for its 2 query heads (mx.repeat copies K and V); viewing the 16
-    query heads as 8 groups of 2 pairs them the same way (query head h reads KV head h // 2). A
-    batch (Part II): its axis in front of every argument; for one sequence, batch is []."""
-    *batch, L, H, hd = q.shape
-    groups = q.swapaxes(-3, -2).reshape(*batch, k.shape[-3], -1, L, hd)  # (8, 2, L, 128)
-    scores = groups @ k[..., None, :, :].swapaxes(-1, -2)             # (8, 2, L, S)
+    query heads as 8 sets of 2 pairs them the same way (query head h reads KV head h // 2)."""
+    L, H, hd = q.shape
+    by_kv = q.transpose(1, 0, 2).reshape(k.shape[0], -1, L, hd)       # (8, 2, L, 128) heads first
+    scores = by_kv @ k[:, None].swapaxes(-1, -2)                      # (8, 2, L, S)
     scores = masked_scores(scores, visible, math.sqrt(hd))            # (8, 2, L, S) float32
     probs = mx.softmax(scores, axis=-1).astype(v.dtype)               # (8, 2, L, S) rows sum to 1
-    out = probs @ v[..., None, :, :]                                  # (8, 2, L, 128)
-    return out.reshape(*batch, H, L, -1).swapaxes(-3, -2).reshape(*batch, L, -1)  # (L, 2048)
+    out = probs @ v[:, None]                                          # (8, 2, L, 128)
+    return out.reshape(H, L, hd).transpose(1, 0, 2).reshape(L, -1)    # (L, 2048) heads merged
 
 @partial(mx.compile, shapeless=True)  # one trace for every L and S
 def masked_scores(scores, visible, sqrt_hd):
@@ -255,7 +254,7 @@ def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, lo
     how much of it to keep; logits: the prompt's, if prefill() ran it in. Then the cache holds
     the prompt and every id yielded."""
     if isinstance(prompt_ids, str):  # the article's generate() takes text and returns text
-        raise TypeError("generate() takes ids; the continuation: TOK.decode(list(generate(ids)))")
+        raise TypeError("generate() takes ids: text + TOK.decode(list(generate(tokenize(text))))")
     cache = [None] * N_LAYERS if cache is None else cache
     if logits is None:
         logits = prefill(prompt_ids, cache, start)                    # (vocab,) lazy
@@ -578,7 +577,8 @@ def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     keys = mx.put_along_axis(keys, at, k.swapaxes(1, 2), axis=2)      # (B, 8, room, 128)
     values = mx.put_along_axis(values, at, v.swapaxes(1, 2), axis=2)
     cache[layer_idx] = (keys, values)
-    out = attend(q, keys[:, :, :S], values[:, :, :S], visible[:, None, None])  # (B, L, H * hd)
+    # Step 5's attend() is for one sequence; mx.vmap runs it on every row at once (axis 0).
+    out = mx.vmap(attend)(q, keys[:, :, :S], values[:, :, :S], visible)  # (B, L, H * hd)
     return out.reshape(B * L, -1)
 
 def attention_rows(x, layer_idx, cache, positions, rope, visible):
@@ -1152,8 +1152,8 @@ def attention_looks(prompt_ids, hidden, cache, start=0):
         else:
             q = queries_keys_values(h, f"model.layers.{i}.self_attn.", rope_tables(at, h.dtype))[0]
         keys = cache[i][0][:, :S]                                     # (KV, S, hd)
-        groups = q.reshape(keys.shape[0], -1, keys.shape[-1])         # (KV, 2, hd) as attend()'s
-        scores = masked_scores(groups @ keys.swapaxes(-1, -2), mx.array(True), math.sqrt(
+        by_kv = q.reshape(keys.shape[0], -1, keys.shape[-1])          # (KV, 2, hd) as attend()'s
+        scores = masked_scores(by_kv @ keys.swapaxes(-1, -2), mx.array(True), math.sqrt(
             keys.shape[-1]))                                          # (KV, 2, S) all visible
         looks.append((i + 1, mx.softmax(scores, axis=-1).reshape(-1, S).mean(axis=0)))  # (S,)
     return looks

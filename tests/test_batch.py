@@ -242,7 +242,7 @@ def test_flags_that_do_not_go_together(checkpoint, tmp_path):
     assert_error(run_cli("--model", folder, "--prompts", str(tmp_path / "empty.txt")),
                  "empty.txt has no prompt (one a line)")
     assert_error(run_cli("--model", folder, "--prompts", str(tmp_path / "missing.txt")),
-                 "lacks missing.txt")
+                 "missing.txt does not exist")
 
 
 @pytest.mark.parametrize("model", ["qwen3", "qwen35"])

@@ -319,12 +319,13 @@ def test_the_articles_calls(checkpoint, tokenizer):
     prompt = "The capital of France is"
     with pytest.raises(TypeError) as error:
         list(li.generate(prompt))
-    call = "TOK.decode(list(generate(tokenize(text))))"
+    call = "text + TOK.decode(list(generate(tokenize(text))))"  # the article's: prompt and answer
     assert str(error.value).endswith(call)
     text = eval(call, vars(li), {"text": prompt})  # the call it names, as written
     ids = li.tokenize(prompt)
     assert ids == tokenizer.encode(prompt).ids
-    assert text == tokenizer.decode(list(li.generate(ids))) and len(text) > 0
+    answer = list(li.generate(ids))
+    assert text == tokenizer.decode(ids + answer) and len(answer) > 0
     logits = li.forward(ids, [None] * li.N_LAYERS, 0)                  # (L, vocab)
     assert li.sample(logits[-1]).item() == mx.argmax(logits[-1]).item()
     assert li.sample(logits).tolist() == mx.argmax(logits, axis=-1).tolist()

@@ -117,3 +117,19 @@ def test_part_one_and_the_full_loader_agree_on_eos(four_files, tokenizer):
         assert mx.argmax(li.prefill(ids, [None] * li.N_LAYERS)).item() == im_end  # greedy's choice
         assert list(li.generate(ids, max_tokens=12)) == [], loader.__name__
     assert part_one_alone(four_files, "none")["greedy"] == []
+
+
+def test_attend_is_one_sequences(checkpoint):
+    """Step 5's attend() on one sequence's shapes, as the article has it (no batch axis): q (L, H,
+    hd), keys and values (KV, S, hd), the mask (L, S) -> (L, H * hd), equal in float32 to MLX's
+    fused attention (mx.fast, a reference only) with the same mask, to float32's rounding."""
+    li.load(checkpoint())
+    L, S, H, KV, hd = 3, 7, li.N_HEADS, li.N_KV, li.D_HEAD
+    q = mx.random.normal((L, H, hd), key=mx.random.key(0))
+    k, v = (mx.random.normal((KV, S, hd), key=mx.random.key(i)) for i in (1, 2))
+    visible = mx.arange(S)[None, :] <= mx.arange(S - L, S)[:, None]   # a chunk after 4 cached
+    out = li.attend(q, k, v, visible)
+    assert out.shape == (L, H * hd)
+    ref = mx.fast.scaled_dot_product_attention(q.transpose(1, 0, 2)[None], k[None], v[None],
+                                               scale=hd ** -0.5, mask=visible)  # (1, H, L, hd)
+    assert mx.abs(out - ref[0].transpose(1, 0, 2).reshape(L, -1)).max().item() < 1e-5
