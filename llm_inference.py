@@ -577,9 +577,20 @@ def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     keys = mx.put_along_axis(keys, at, k.swapaxes(1, 2), axis=2)      # (B, 8, room, 128)
     values = mx.put_along_axis(values, at, v.swapaxes(1, 2), axis=2)
     cache[layer_idx] = (keys, values)
-    # Step 5's attend() is for one sequence; mx.vmap runs it on every row at once (axis 0).
-    out = mx.vmap(attend)(q, keys[:, :, :S], values[:, :, :S], visible)  # (B, L, H * hd)
+    out = attend_batch(q, keys[:, :, :S], values[:, :, :S], visible)  # (B, L, H * hd)
     return out.reshape(B * L, -1)
+
+def attend_batch(q, k, v, visible):
+    """Step 5's attend() on B rows: a batch axis in front of each argument and each line. It is
+    mx.vmap(attend), written out: under vmap MLX does not fuse the compiled mask (2 kernels more
+    a layer, every step), so the batch's own lines keep Step 5's launches."""
+    B, L, H, hd = q.shape
+    by_kv = q.transpose(0, 2, 1, 3).reshape(B, k.shape[1], -1, L, hd)  # (B, 8, 2, L, 128)
+    scores = by_kv @ k[:, :, None].swapaxes(-1, -2)                   # (B, 8, 2, L, S)
+    scores = masked_scores(scores, visible[:, None, None], math.sqrt(hd))  # (B, 8, 2, L, S)
+    probs = mx.softmax(scores, axis=-1).astype(v.dtype)               # (B, 8, 2, L, S)
+    out = probs @ v[:, :, None]                                       # (B, 8, 2, L, 128)
+    return out.reshape(B, H, L, hd).transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, 2048)
 
 def attention_rows(x, layer_idx, cache, positions, rope, visible):
     """Step 5 on B rows of L tokens each, flattened: x (B * L, D) at positions (B * L,)."""

@@ -317,3 +317,18 @@ def test_batched_chat_replies_are_labelled_with_their_prompts(checkpoint):
     r = run_cli("--model", str(checkpoint()), "--chat", "-p", "Hi", "-p", "Yo", "-m", "3")
     assert r.returncode == 0, r.stderr
     assert r.stdout.index("==========\n>> Hi\n") < r.stdout.index("==========\n>> Yo\n")
+
+
+def test_the_batchs_attention_is_step_5s_mapped_over_its_rows(checkpoint):
+    """attend_batch() is mx.vmap(attend): each row Step 5's one-sequence attend(), bit for bit
+    (float32 and bfloat16), each row with its own mask."""
+    li.load(checkpoint())
+    B, L, S, H, KV, hd = 3, 2, 9, li.N_HEADS, li.N_KV, li.D_HEAD
+    for dtype in (mx.float32, mx.bfloat16):
+        q = mx.random.normal((B, L, H, hd), key=mx.random.key(0)).astype(dtype)
+        k, v = (mx.random.normal((B, KV, S, hd), key=mx.random.key(i)).astype(dtype) for i in (1, 2))
+        visible = mx.random.uniform(shape=(B, L, S), key=mx.random.key(3)) > 0.4
+        visible[..., 0] = True  # every query sees a key
+        mapped = mx.vmap(li.attend)(q, k, v, visible)
+        assert mx.array_equal(li.attend_batch(q, k, v, visible), mapped).item(), dtype
+        assert mx.array_equal(mapped[1], li.attend(q[1], k[1], v[1], visible[1])).item()
