@@ -47,8 +47,8 @@ def load(model_dir, dtype=None):
         return load_checked(folder, dtype)
     cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))  # or nested
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    gen = folder / "generation_config.json"  # Qwen3's EOS ids; the article's four files lack it:
-    released = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]  # then these
+    gen = folder / "generation_config.json"  # Qwen3's EOS ids, where there is one
+    released = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]  # Qwen3's two
     gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else released
     cfg["eos_ids"] = set(as_list(cfg.get("eos_token_id")) + as_list(gen_eos)) - {None}
     index, files = folder / "model.safetensors.index.json", ["model.safetensors"]  # 0.6B: one file
@@ -180,7 +180,8 @@ def ffn(x, layer_idx):
 
 # ═══ Step 7. The transformer block — normalise, attend, add; normalise, think, add ═══
 def transformer_block(x, layer_idx, cache, start, rope, visible, attention=attention):
-    """x: (L, D) -> (L, D). Pre-norm, a residual around each half. attention: Step 5's, or II's."""
+    """x: (L, D) at positions start.. -> (L, D). Pre-norm, a residual around each half. attention:
+    Step 5's, or Part II's (batching's start: every token's position, (B * L,))."""
     p = f"model.layers.{layer_idx}."
     h = rms_norm(x, W[p + "input_layernorm.weight"], EPS)             # (L, 1024)
     out = attention(h, layer_idx, cache, start, rope, visible)        # (L, 1024)
@@ -289,17 +290,17 @@ def dequantize(packed, scales, biases, bits):
     n = packed.shape[-1] * 32 // bits                                 # values in a row
     stream = mx.pad(packed.view(mx.uint8), [(0, 0)] * (packed.ndim - 1) + [(0, 1)])  # bytes, a 0
     stream = stream.astype(mx.uint32)                                 # (..., n * bits / 8 + 1)
-    start = mx.arange(n) * bits                                       # (n,) where q_i's bits start
-    pair = stream[..., start // 8] | stream[..., start // 8 + 1] << 8  # (..., n) the 2 bytes of q_i
-    q = (pair >> (start % 8)) & (2 ** bits - 1)                       # (..., n) q_i
-    q = q.reshape(*q.shape[:-1], scales.shape[-1], -1)                # (..., groups, group)
-    w = scales[..., None] * q.astype(mx.float32) + biases[..., None]  # (..., groups, group) f32
+    first_bit = mx.arange(n) * bits                                   # (n,) where q_i's bits start
+    pair = stream[..., first_bit // 8] | stream[..., first_bit // 8 + 1] << 8  # (..., n) 2 bytes
+    q = (pair >> (first_bit % 8)) & (2 ** bits - 1)                   # (..., n) q_i
+    q = q.reshape(*q.shape[:-1], scales.shape[-1], -1)                # (..., n_groups, group_size)
+    w = scales[..., None] * q.astype(mx.float32) + biases[..., None]  # (..., n_groups, size) f32
     return w.astype(scales.dtype).reshape(*w.shape[:-2], n)           # (..., n)
 
 def quantized_linear(x, name):  # x @ dequantize(W[name]).T, never writing the unpacked matrix
     packed, scales, biases = (W[name + part] for part in (".weight", ".scales", ".biases"))
-    bits, group = packed.shape[-1] * 32 // x.shape[-1], x.shape[-1] // scales.shape[-1]
-    return mx.quantized_matmul(x, packed, scales, biases, group_size=group, bits=bits)  # reads q
+    bits, group_size = packed.shape[-1] * 32 // x.shape[-1], x.shape[-1] // scales.shape[-1]
+    return mx.quantized_matmul(x, packed, scales, biases, group_size=group_size, bits=bits)
 
 def embed_quantized(ids):  # a quantised embedding: only the rows the ids pick are unpacked
     rows = [W["model.embed_tokens" + part][ids] for part in (".weight", ".scales", ".biases")]
@@ -310,6 +311,7 @@ def deltanet(layer_idx):  # one of Qwen3.5's Gated DeltaNet layers? (layer N: th
     return MODEL == "qwen3_5" and QWEN35["layer_types"][layer_idx:][:1] == ["linear_attention"]
 
 def qwen35_attention(x, layer_idx, cache, start, rope, visible):  # forward()'s, for Qwen3.5
+    # It takes Step 5's arguments, rope too, but turns a quarter of each head with its own tables.
     if deltanet(layer_idx):                                           # 18 of 24
         return gated_delta_net(x, layer_idx, cache)
     q, k, v, gate = gated_queries(x, layer_idx, mx.arange(start, start + x.shape[0]))
@@ -363,14 +365,14 @@ def delta_memory(cache, layer_idx, qkv, beta, decay):
     """A sequence's L tokens (a batch's: (B, ...) in front) through the short convolution and the
     delta rule, from and into cache[layer_idx] = (conv_state, state) (None: none yet; a third
     entry, a list, is given the notes after each token) -> what each reads, (L, 16, 128) f32."""
-    p, L, lead = f"model.layers.{layer_idx}.linear_attn.", qkv.shape[-2], qkv.shape[:-2]
+    p, L, batch = f"model.layers.{layer_idx}.linear_attn.", qkv.shape[-2], qkv.shape[:-2]  # (B,)
     hk, hv = QWEN35["linear_num_key_heads"], QWEN35["linear_num_value_heads"]        # 16, 16
     dk, dv = QWEN35["linear_key_head_dim"], QWEN35["linear_value_head_dim"]          # 128, 128
     width = QWEN35["linear_conv_kernel_dim"]                          # the convolution's: 4
     if cache[layer_idx] is None:                                      # nothing remembered yet
-        cache[layer_idx] = (mx.zeros((*lead, width - 1, qkv.shape[-1]), qkv.dtype),
-                            mx.zeros((*lead, hv, dk, dv)))            # float32, as mx.zeros makes
-    conv_state, state, *kept = cache[layer_idx]                       # (3, 6144), (16, 128, 128)
+        cache[layer_idx] = (mx.zeros((*batch, width - 1, qkv.shape[-1]), qkv.dtype),
+                            mx.zeros((*batch, hv, dk, dv)))            # float32, as mx.zeros makes
+    conv_state, state, *snapshots = cache[layer_idx]                  # (3, 6144), (16, 128, 128)
     # A short convolution first: each of the 6144 channels becomes a weighted sum of its value at
     # this token and at the 3 before it (4 learned weights a channel), so that q, k and v carry
     # a little of the tokens before. conv_state keeps the last 3 tokens' inputs for the next call.
@@ -379,19 +381,19 @@ def delta_memory(cache, layer_idx, qkv, beta, decay):
     qkv = sum(window[..., j:j + L, :] * conv[:, j] for j in range(width))  # (L, 6144)
     qkv = qkv * mx.sigmoid(qkv)                                       # (L, 6144) SiLU
     q, k, v = mx.split(qkv, [hk * dk, 2 * hk * dk], axis=-1)
-    q = l2_norm(q.reshape(*lead, L, hk, dk)) / math.sqrt(dk)          # (L, 16, 128) |q| = dk^-1/2
-    k = l2_norm(k.reshape(*lead, L, hk, dk))                          # (L, 16, 128) |k| = 1
+    q = l2_norm(q.reshape(*batch, L, hk, dk)) / math.sqrt(dk)          # (L, 16, 128) |q| = dk^-1/2
+    k = l2_norm(k.reshape(*batch, L, hk, dk))                          # (L, 16, 128) |k| = 1
     # Value head h reads key head h // (hv / hk): each key head repeated for its value heads.
     q = mx.repeat(q, hv // hk, axis=-2)                               # (L, 16, 128)
     k = mx.repeat(k, hv // hk, axis=-2)                               # (L, 16, 128)
-    v, out = v.reshape(*lead, L, hv, dv), []                          # (L, 16, 128)
+    v, out = v.reshape(*batch, L, hv, dv), []                          # (L, 16, 128)
     for t in range(L):                                                # token after token
         state, y = delta_step(state, q[..., t, :, :], k[..., t, :, :], v[..., t, :, :],
                               decay[..., t, :], beta[..., t, :])      # y: (16, 128)
         out.append(y)
-        if kept:  # drafting: the notes as they are after this token
-            kept[0].append((window[..., t + 1:t + width, :], state))
-    cache[layer_idx] = (window[..., -(width - 1):, :], state, *kept)  # the last 3 inputs, and S
+        if snapshots:  # drafting: the notes as they are after this token
+            snapshots[0].append((window[..., t + 1:t + width, :], state))
+    cache[layer_idx] = (window[..., -(width - 1):, :], state, *snapshots)  # the last 3 inputs, S
     return mx.stack(out, axis=-3)                                     # (L, 16, 128)
 
 @mx.compile
@@ -446,16 +448,37 @@ def hidden_pass(token_ids, cache, start, lens=None):
         lens.extend(x[-1:] for x in blocks)
     return mx.concatenate(chunks)                                     # (L, 1024)
 
+class MTPHead:
+    """Qwen3.5's MTP head as a drafter: its own KV cache, and the model's hidden states h_t it has
+    not read yet. It reads (x_t+1, h_t), so each h_t waits for the id after it. A worked example:
+    the prompt fills positions 0..4 (start 0) and the model chose x5; the head has read t = 0..3
+    (read = 4) and h_4 waits. draft(): from (x5, h_4), d6. If the model then keeps d6, it has made
+    h_5, h_6 (unread); else h_5 alone: the next draft reads them with the ids after t = 4."""
+    def __init__(self, prompt_ids, hidden, start):
+        self.cache, self.start, self.read = [None] * (N_LAYERS + 1), start, len(prompt_ids) - 1
+        self.unread = hidden[-1:]                                     # (1, 1024) h at the end
+        for i in range(0, self.read, CHUNK):  # the prompt, shifted by one token
+            ids = mx.array(prompt_ids[i + 1:i + 1 + CHUNK])
+            mtp_logits(ids, hidden[i:i + len(ids)], self.cache, start + i, start)
+            mx.eval(self.cache)
+
+    def draft(self, history, token):  # history: the ids at start.., token: the next -> (1,), lazy
+        ids = mx.array(history[self.read + 1:] + [token])             # x_t+1 of each unread h_t
+        logits = mtp_logits(ids, self.unread, self.cache, self.start + self.read, self.start)
+        self.read += len(ids)
+        return mx.argmax(logits[-1:], axis=-1)                        # (1,) its guess after token
+
 def verify_pass(ids, cache, pos, sampler):
     """Verify: the model over ids (the next id, K drafts) at pos.., one pass -> its logits, choice
-    and hidden state (what the MTP head reads) after each, each DeltaNet's notes after each id."""
-    kept = {i: [] for i in range(N_LAYERS) if deltanet(i)}
-    for i, notes in kept.items():  # a list in the cache entry: delta_memory() fills it
-        cache[i] = (*cache[i], notes)
+    and hidden state (what the MTP head reads) after each, and each DeltaNet's notes after each id
+    (snapshots: {layer: [notes, ...]}, filled by delta_memory() through the cache entry)."""
+    snapshots = {i: [] for i in range(N_LAYERS) if deltanet(i)}
+    for i, after_each in snapshots.items():
+        cache[i] = (*cache[i], after_each)
     blocks = []
     logits = forward(ids, cache, pos, blocks)                         # (1 + K, vocab)
     hidden = rms_norm(blocks[-1], W["model.norm.weight"], EPS)        # (1 + K, 1024)
-    return logits, sampler(logits), hidden, kept
+    return logits, sampler(logits), hidden, snapshots
 
 def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_draft=1,
                    cache=None, start=0, hidden=None, counts=None):
@@ -469,22 +492,10 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
     counts.update(drafted=0, accepted=0)
     hidden = hidden_pass(prompt_ids, cache, start) if hidden is None else hidden  # (L, 1024)
     logits = linear(hidden[-1:], "lm_head")[-1]                       # (vocab,) the next id's
-    # The MTP head's own KV cache, over the prompt: it reads (x_t+1, h_t) for t = start.., the
-    # last h_t waiting for the first draft (its x_t+1 is not known yet).
-    mtp_cache = [None] * (N_LAYERS + 1)
-    for i in range(0, len(prompt_ids) - 1 if draft == "mtp" else 0, CHUNK):
-        ids = mx.array(prompt_ids[i + 1:i + 1 + CHUNK])  # the prompt, shifted by one token
-        mtp_logits(ids, hidden[i:i + len(ids)], mtp_cache, start + i, start)
-        mx.eval(mtp_cache)
-    history, pos, n = list(prompt_ids), start + len(prompt_ids), 0
+    head = MTPHead(prompt_ids, hidden, start) if draft == "mtp" else None
+    history, pos = list(prompt_ids), start + len(prompt_ids)  # pos: the position of token
     end = min(pos + max_tokens, MAX_POS)
-    # A worked example: the prompt fills positions 0..4; token, the model's id x5, is at pos 5,
-    # not in the cache yet; the head has read (x_t+1, h_t) up to t = 3: unread, h_4 at 4. Draft:
-    # from (x5, h4), d6. Verify: the model on [x5, d6] at 5, 6 chooses c6 after x5, c7 after d6.
-    # Accept: if c6 == d6, x5 and d6 are emitted and token = c7 at pos 7, unread h5, h6 from 5;
-    # else x5 alone, token = c6 at pos 6 (d6's keys at 6 are written over), unread h5 from 5.
-    token, unread, at = sampler(logits).item(), hidden[-1:], pos - 1
-    finite = mx.isfinite(logits).all().item()  # the logits token came from, checked
+    token, finite = sampler(logits).item(), mx.isfinite(logits).all().item()
     while pos < end:  # token: the model's id at pos, not in the cache yet
         if not finite:
             raise not_finite(f"at position {pos}", logits.dtype)
@@ -494,35 +505,35 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
             forward([token], cache, pos)
             yield token
             return
-        if draft == "mtp":  # draft: the head reads the ids after its unread h_t's
-            guess = mtp_logits(mx.array(history[at + 1 - start:] + [token]), unread, mtp_cache,
-                               at, start)                             # (unread, vocab)
-            drafts = mx.argmax(guess[-1:], axis=-1)                   # (1,) its id, lazy
+        # Draft: ids guessed to follow token, lazy, never past the end.
+        if head:
+            drafts = head.draft(history, token)[:end - pos - 1]      # (K,), K = 1
         else:
-            drafts = mx.array(lookup_draft(history + [token], n_draft), mx.uint32)  # (K,), K >= 0
-        drafts = drafts[:end - pos - 1]                               # never past the end
+            drafts = mx.array(lookup_draft(history + [token], n_draft)[:end - pos - 1], mx.uint32)
+        # Verify: the model over token and the drafts, in one pass.
         ids = mx.concatenate([mx.array([token], mx.uint32), drafts])  # (1 + K,)
-        logits, choices, hidden, kept = verify_pass(ids, cache, pos, sampler)
+        logits, choices, hidden, snapshots = verify_pass(ids, cache, pos, sampler)
         finite = mx.isfinite(logits).all(axis=-1).tolist()            # (1 + K,) each row's
         drafts, choices = drafts.tolist(), choices.tolist()
-        # Accept: the drafts the model chose too, up to the first it did not (or an EOS).
+        # Accept: the drafts the model chose too, up to the first it did not (or an EOS). Each
+        # id is yielded with the cache as generate() leaves it, wherever the caller stops: each
+        # DeltaNet at its notes after that id (the list detached), a KV cache's later positions
+        # written over before anything reads them.
         n = 0
         while n < len(drafts) and choices[n] == drafts[n] and drafts[n] not in EOS_IDS:
             n += 1
         counts["drafted"] += len(drafts)
         counts["accepted"] += n
         history += [token] + drafts[:n]
-        # Each id yielded with the cache as generate() leaves it, wherever the caller stops: a
-        # DeltaNet at its notes after that id (the list detached), a KV cache's later positions
-        # written over before anything reads them.
+        if head:
+            head.unread = hidden[:n + 1]                              # (1 + n, 1024) h_pos..
         for j, emitted in enumerate([token] + drafts[:n]):  # drafts[j - 1]: row j - 1's choice
             if j and not finite[j - 1]:
                 raise not_finite(f"at position {pos + j}", logits.dtype)
-            for i, notes in kept.items():
-                cache[i] = notes[j]
+            for i, after_each in snapshots.items():
+                cache[i] = after_each[j]
             yield emitted
-        unread, at, pos = hidden[:n + 1], pos, pos + n + 1
-        token, logits, finite = choices[n], logits[n], finite[n]
+        pos, token, logits, finite = pos + n + 1, choices[n], logits[n], finite[n]
 
 # ═══ Batching — several sequences share every weight read; a finished one makes room ═══
 # Decoding one token reads every weight for one row: the machine waits on memory; B rows cost
@@ -532,10 +543,10 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
 # slot for the next prompt: a batch holds B sequences' memory, however many prompts wait.
 
 class Row:
-    """One prompt of a batch: "waiting"; "prefilling" (its cache filled apart, its last id in the
-    next pass); "decoding" (token: its id at pos, lazy, finite: its logits' check); "done"."""
+    """Prompt i of a batch: token, its id at pos (lazy; at first its prompt's last id, which the
+    next pass reads and nothing yields), and finite, the check of the logits it came from."""
     def __init__(self, i, ids, max_tokens):
-        self.i, self.ids, self.status = i, ids, "waiting"
+        self.i, self.ids = i, ids
         self.end = min(len(ids) + max_tokens, MAX_POS)                # it stops before this
         self.pos, self.token, self.finite = len(ids) - 1, mx.array(ids[-1]), mx.array(True)
 
@@ -544,26 +555,26 @@ def padded(a, axis, size):  # a, with zeros after it along axis up to size (if s
     more[axis] = size - a.shape[axis]
     return a if more[axis] <= 0 else mx.concatenate([a, mx.zeros(more, a.dtype)], axis=axis)
 
-def take_slots(cache, slots, own):
-    """own: prefill_rows()' cache, a row per slot -> those slots of the batch's cache (new ones at
-    its end): every array whole (positions, axis 2, grow to hold it); own's empty layer: zeros."""
-    at = mx.array(slots)                                              # (G,)
+def take_slots(cache, numbers, own):
+    """own: prefill_rows()' cache, a row for each slot number -> those slots of the batch's cache
+    (new ones at its end), positions (axis 2) padded to the longer; own's empty layer: zeros."""
+    index = mx.array(numbers)                                         # (G,)
     for i, entry in enumerate(own):
         if cache[i] is None and entry is None:  # nothing in this layer yet: made on first write
             continue
         if cache[i] is None:
             cache[i] = tuple(mx.zeros((0, *a.shape[1:]), a.dtype) for a in entry)
-        arrays = [padded(a, 0, max(slots) + 1) for a in cache[i]]      # (B, ...) slots added
+        arrays = [padded(a, 0, max(numbers) + 1) for a in cache[i]]    # (B, ...) slots added
         for j, a in enumerate(arrays):
-            part = mx.zeros_like(a[at]) if entry is None else entry[j]  # (G, ...)
+            part = mx.zeros_like(a[index]) if entry is None else entry[j]  # (G, ...)
             arrays[j] = a = padded(a, 2, part.shape[2])
-            a[at, :, :part.shape[2]] = part
+            a[index, :, :part.shape[2]] = part
         cache[i] = tuple(arrays)
 
-def trimmed(entry, layer_idx, rows, room):  # a layer's cache: those rows, positions < room
+def trimmed(entry, layer_idx, live, room):  # a layer's cache: the live slots, positions < room
     if entry is None or deltanet(layer_idx):  # (a DeltaNet's notes have no positions)
-        return entry and tuple(a[rows] for a in entry)
-    return tuple(mx.contiguous(a[rows][:, :, :room]) for a in entry)  # (rows, 8, room, 128)
+        return entry and tuple(a[live] for a in entry)
+    return tuple(mx.contiguous(a[live][:, :, :room]) for a in entry)  # (B, 8, room, 128)
 
 def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     """q, k, v (B * L, heads, hd): L tokens of each of B rows at positions (B * L,), written into
@@ -573,9 +584,9 @@ def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     keys, values = cache[layer_idx] or (mx.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype),) * 2
     room = -(-S // GROW) * GROW                                       # S up to a multiple of GROW
     keys, values = padded(keys, 2, room), padded(values, 2, room)     # (B, 8, room, 128)
-    at = positions.reshape(B, 1, L, 1)                                # row b's L positions
-    keys = mx.put_along_axis(keys, at, k.swapaxes(1, 2), axis=2)      # (B, 8, room, 128)
-    values = mx.put_along_axis(values, at, v.swapaxes(1, 2), axis=2)
+    where = positions.reshape(B, 1, L, 1)                             # row b's L positions
+    keys = mx.put_along_axis(keys, where, k.swapaxes(1, 2), axis=2)   # (B, 8, room, 128)
+    values = mx.put_along_axis(values, where, v.swapaxes(1, 2), axis=2)
     cache[layer_idx] = (keys, values)
     out = attend_batch(q, keys[:, :, :S], values[:, :, :S], visible)  # (B, L, H * hd)
     return out.reshape(B * L, -1)
@@ -599,7 +610,7 @@ def attention_rows(x, layer_idx, cache, positions, rope, visible):
     return linear(attend_rows(cache, layer_idx, q, k, v, positions, visible), p + "o_proj")
 
 def qwen35_attention_rows(x, layer_idx, cache, positions, rope, visible):  # the same for Qwen3.5
-    B, L, _ = visible.shape
+    B, L, _ = visible.shape  # (rope unused, as in qwen35_attention())
     if deltanet(layer_idx):                                           # each row its own notes
         return gated_delta_net(x.reshape(B, L, -1), layer_idx, cache).reshape(B * L, -1)
     q, k, v, gate = gated_queries(x, layer_idx, positions)            # (B * L, 8, 256), ...
@@ -611,12 +622,12 @@ def forward_rows(token_ids, cache, positions):
     logits (B, L, vocab): Steps 2-8 on all rows at once (flattened to B * L rows of x)."""
     B, L = token_ids.shape
     x = embed(token_ids.reshape(-1))                                  # (B * L, 1024)
-    at = (mx.array(positions)[:, None] + mx.arange(L)).reshape(-1)    # (B * L,) each its own
-    rope = rope_tables(at, x.dtype)                                   # (B * L, 1, 2, 64)
-    visible = mx.arange(max(positions) + L) <= at.reshape(B, L, 1)    # (B, L, S) its own keys
+    each = (mx.array(positions)[:, None] + mx.arange(L)).reshape(-1)  # (B * L,) every token's
+    rope = rope_tables(each, x.dtype)                                 # (B * L, 1, 2, 64)
+    visible = mx.arange(max(positions) + L) <= each.reshape(B, L, 1)  # (B, L, S) its own keys
     mixer = qwen35_attention_rows if MODEL == "qwen3_5" else attention_rows
     for i in range(N_LAYERS):
-        x = transformer_block(x, i, cache, at, rope, visible, mixer)  # (B * L, 1024)
+        x = transformer_block(x, i, cache, each, rope, visible, mixer)  # (B * L, 1024)
     return lm_head(x).reshape(B, L, -1)                               # (B, L, 151936)
 
 def forward_batch(token_ids, cache, positions):  # one id of each row (B,) -> logits (B, vocab)
@@ -625,10 +636,10 @@ def forward_batch(token_ids, cache, positions):  # one id of each row (B,) -> lo
 def prefill_rows(prompts):
     """Step 9's prefill() side by side, all but each last id -> a cache, a slot each. Qwen3's
     shorter prompts padded at the end (keys written over before any query sees them)."""
-    width = max(len(ids) for ids in prompts) - 1
-    heads = mx.array([ids[:-1] + [0] * (width + 1 - len(ids)) for ids in prompts])  # (G, width)
+    longest = max(len(ids) for ids in prompts) - 1
+    heads = mx.array([ids[:-1] + [0] * (longest + 1 - len(ids)) for ids in prompts])  # (G, ...)
     cache = [None] * N_LAYERS
-    for c in range(0, width, CHUNK):
+    for c in range(0, longest, CHUNK):
         forward_rows(heads[:, c:c + CHUNK], cache, [c] * len(prompts))
         mx.eval(cache)
     return cache
@@ -644,13 +655,13 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
         joining = []
         while waiting and (None in slots or len(slots) < batch_size):  # a free slot: a prompt
             row, b = waiting.pop(0), slots.index(None) if None in slots else len(slots)
-            slots[b:b + 1], row.status = [row], "prefilling"
+            slots[b:b + 1] = [row]
             joining.append(b)
-        groups = {}  # prefilled side by side: Qwen3's joining prompts all, Qwen3.5's by length
+        prefills = {}  # slot numbers prefilled side by side: Qwen3's all, Qwen3.5's by length
         for b in joining:
-            groups.setdefault(len(slots[b].ids) if MODEL == "qwen3_5" else 0, []).append(b)
-        for group in groups.values():
-            take_slots(cache, group, prefill_rows([slots[b].ids for b in group]))
+            prefills.setdefault(len(slots[b].ids) if MODEL == "qwen3_5" else 0, []).append(b)
+        for numbers in prefills.values():
+            take_slots(cache, numbers, prefill_rows([slots[b].ids for b in numbers]))
         # A joining row's last id rides in the next batch pass at its own position: that row's
         # logits are its prompt's, and the weights are read once for all rows, not once more.
         # Free slots go once no prompt is left to take them; positions past every row's reach
@@ -663,8 +674,8 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
         held = max([entry[0].shape[2] for i, entry in enumerate(cache)
                     if entry is not None and not deltanet(i)], default=0)
         if len(live) < len(slots) or held > room:
-            rows, slots = mx.array(live, mx.int32), [slots[b] for b in live]
-            cache[:] = [trimmed(entry, i, rows, room) for i, entry in enumerate(cache)]
+            cache[:] = [trimmed(entry, i, mx.array(live), room) for i, entry in enumerate(cache)]
+            slots = [slots[b] for b in live]
         tokens = mx.stack([row.token for row in slots])               # (B,) each row's, lazy
         checks = mx.stack([row.finite for row in slots])              # (B,) its logits finite?
         # The next pass is queued before the tokens it follows are looked at, as in generate().
@@ -673,17 +684,17 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
             upcoming, finite = sampler(logits), mx.isfinite(logits).all(axis=-1)  # (B,) each
             mx.async_eval(upcoming, finite)
         for b, row, token, ok in zip(range(len(slots)), slots, tokens.tolist(), checks.tolist()):
-            token = None if row.status == "prefilling" else token     # its prompt's last id: not
+            token = None if row.pos == len(row.ids) - 1 else token    # its prompt's own last id
             if token is not None and not ok:
                 raise not_finite(f"of prompt {row.i + 1}", logits.dtype)
             if token is not None and token not in EOS_IDS:
                 yield row.i, token
             if token in EOS_IDS or row.pos + 1 >= row.end:  # it ends: its slot is free
-                row.status, slots[b] = "done", None
+                slots[b] = None
                 if ended is not None:
                     ended.append((row.i, row.pos))  # its positions before its last id
             else:
-                row.status, row.token, row.finite = "decoding", upcoming[b], finite[b]
+                row.token, row.finite = upcoming[b], finite[b]
                 row.pos += 1
 
 # ═══ Part III — what serves it all: file checks, download, chat, the command line ═══
@@ -699,8 +710,9 @@ class UserError(SystemExit):
     def __init__(self, message):
         super().__init__(f"error: {message}")
 
-HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"  # the default folder: beside
-# the script (the article's is ./Qwen3-0.6B/ from wherever it is started), and where it comes from
+# The default folder, beside the script (the article's is ./Qwen3-0.6B/ from wherever it is
+# started), and where it comes from.
+HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
 FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "model.safetensors"]
 
@@ -856,8 +868,9 @@ def read_weights(folder, cfg, dtype):
         for part in (".weight", ".scales", ".biases"):  # a quantised table has all three
             weights["lm_head" + part] = weights.get("model.embed_tokens" + part)
     weights = checked_shapes(weights, expected_shapes(cfg, weights), folder)
-    for name in [name for name in weights if name.startswith("mtp.layers.0.")]:  # the MTP
-        weights[f"model.layers.{cfg['num_hidden_layers']}.{name[13:]}"] = weights[name]  # layer
+    # The MTP head's layer is also read as layer N (num_hidden_layers), after the model's own.
+    for name in [name for name in weights if name.startswith("mtp.layers.0.")]:
+        weights[f"model.layers.{cfg['num_hidden_layers']}.{name[13:]}"] = weights[name]
     # A sum is NaN or inf if any value is (packed words aside; a tied head is its table's).
     sums = {name: w.sum() for name, w in weights.items()
             if w.dtype != mx.uint32 and not (cfg["tie_word_embeddings"] and "lm_head" in name)}
@@ -909,8 +922,8 @@ def checked_shapes(weights, shapes, folder):
     for name, shape in list(shapes.items()):
         scales = weights.get(name.replace(".weight", ".scales"))
         if scales is not None and len(shape) == 2 and name in weights:
-            bits, group = weights[name].shape[-1] * 32 / shape[1], shape[1] / scales.shape[-1]
-            if bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128):
+            bits, group_size = weights[name].shape[-1] * 32 / shape[1], shape[1] / scales.shape[-1]
+            if bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
                 raise UserError(f"tensor {name} in {folder}: {weights[name].shape} packed with "
                                 f"scales {scales.shape} is not MLX's quantisation of {shape}")
             shapes[name] = (shape[0], weights[name].shape[-1])
@@ -1121,25 +1134,25 @@ def top_tokens(logits, k, where="the prompt"):
     top = mx.argsort(-probs)[:k].tolist()                             # (k,) likeliest first
     return [(t, probs[t].item()) for t in top]
 
-def logit_lens(hidden):
-    """hidden: x after each block -> [(id, p)], the likeliest token had the model stopped there."""
-    return [top_tokens(lm_head(x)[-1], 1, f"block {i}")[0] for i, x in enumerate(hidden, 1)]
+def logit_lens(blocks):
+    """blocks: x after each block -> [(id, p)], the likeliest token had the model stopped there."""
+    return [top_tokens(lm_head(x)[-1], 1, f"block {i}")[0] for i, x in enumerate(blocks, 1)]
 
 def bar_row(label, token, p):  # a row of a probability table: 30 blocks for p = 1
     return f"{label:>10} {shown(token):>18} {p:<8.4g}{'█' * round(30 * p)}"
 
-def explain(prompt_ids, hidden, logits, cache, start, k):
-    """--explain: the tokens, the answer forming block by block (hidden: x after each), the top k
+def explain(prompt_ids, blocks, logits, cache, start, k):
+    """--explain: the tokens, the answer forming block by block (blocks: x after each), the top k
     next tokens, then where the prompt's last token looks in each attention block."""
     print("tokens:", ", ".join(f"{shown(t)} {t}" for t in prompt_ids))
     print(f"embedding: {embed(prompt_ids).shape}")
     print("the answer forming: the likeliest next token after block i; then the model's top K")
-    for i, (token, p) in enumerate(logit_lens(hidden), 1):
+    for i, (token, p) in enumerate(logit_lens(blocks), 1):
         print(bar_row(f"block {i}", token, p))
     print("\n".join(bar_row("", token, p) for token, p in top_tokens(logits, k)))
     print("where the last token looks: each attention block's 3 heaviest tokens of the prompt "
           "(averaged over heads)")
-    for i, weights in attention_looks(prompt_ids, hidden, cache, start):
+    for i, weights in attention_looks(prompt_ids, blocks, cache, start):
         weights = weights[start:].tolist()                            # the prompt's positions
         top = sorted(range(len(weights)), key=weights.__getitem__, reverse=True)[:3]
         for n, j in enumerate(top):
@@ -1149,19 +1162,19 @@ def explain(prompt_ids, hidden, logits, cache, start, k):
     if delta:
         print(f"blocks {', '.join(delta)}: Gated DeltaNet, compressed notes: no such weights")
 
-def attention_looks(prompt_ids, hidden, cache, start=0):
+def attention_looks(prompt_ids, blocks, cache, start=0):
     """Where the prompt's last token looks, in each full-attention block: Step 5's scores and
     softmax run once more for its query, on the keys the cache holds (memory: S per head) ->
-    [(block, (S,))], averaged over heads. hidden: x after each block, for the last token."""
+    [(block, (S,))], averaged over heads. blocks: x after each block, for the last token."""
     S = start + len(prompt_ids)
-    at, looks = mx.array([S - 1]), []
+    last, looks = mx.array([S - 1]), []
     for i in [i for i in range(N_LAYERS) if not deltanet(i)]:
-        x = embed(prompt_ids[-1:]) if i == 0 else hidden[i - 1]       # (1, D) block i's input
+        x = embed(prompt_ids[-1:]) if i == 0 else blocks[i - 1]       # (1, D) block i's input
         h = rms_norm(x, W[f"model.layers.{i}.input_layernorm.weight"], EPS)
         if MODEL == "qwen3_5":
-            q = gated_queries(h, i, at)[0]                            # (1, heads, hd)
+            q = gated_queries(h, i, last)[0]                          # (1, heads, hd)
         else:
-            q = queries_keys_values(h, f"model.layers.{i}.self_attn.", rope_tables(at, h.dtype))[0]
+            q = queries_keys_values(h, f"model.layers.{i}.self_attn.", rope_tables(last, h.dtype))[0]
         keys = cache[i][0][:, :S]                                     # (KV, S, hd)
         by_kv = q.reshape(keys.shape[0], -1, keys.shape[-1])          # (KV, 2, hd) as attend()'s
         scores = masked_scores(by_kv @ keys.swapaxes(-1, -2), mx.array(True), math.sqrt(
@@ -1446,10 +1459,12 @@ def parse_args(argv):
 
 def read_prompts(args):
     """Each --prompt's text ("-": stdin's), then --prompts FILE's lines, checked; [None]: none."""
-    if sys.stdin is None:  # closed (<&-): a file opened next would get descriptor 0, which MLX's
+    if sys.stdin is None:  # closed (<&-)
         if "-" in (args.prompt or []) or args.chat and not args.prompt and not args.prompts:
             raise UserError("standard input is closed (<&-), and the prompt is read from it")
-        os.open(os.devnull, os.O_RDONLY)  # safetensors reader takes for a failure: fill it first
+        # A file opened next would get descriptor 0, which MLX's safetensors reader takes for a
+        # failure: it is filled first.
+        os.open(os.devnull, os.O_RDONLY)
     texts = [as_text(sys.stdin.buffer.read()) if t == "-" else t for t in args.prompt or []]
     for flag, text in [("--prompt", text) for text in texts] + [("--system", args.system)]:
         if text is not None:  # bytes that are not UTF-8 reach Python as lone surrogates
