@@ -540,7 +540,8 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
 # little more. So B sequences decode together in one cache per layer, the article's tuple with a
 # slot axis in front: (B, 8, S, 128) (a DeltaNet's notes: (B, 3, 6144), (B, 16, 128, 128)). Each
 # row writes at its own position and sees its own keys (its mask). A sequence that ends frees its
-# slot for the next prompt: a batch holds B sequences' memory, however many prompts wait.
+# slot for the next prompt, and positions no row still reaches are let go: a batch holds B
+# sequences' memory, at the longest running one's length, however many prompts wait.
 
 class Row:
     """Prompt i of a batch: token, its id at pos (lazy; at first its prompt's last id, which the
