@@ -18,21 +18,58 @@ import llm_inference as li
 from test_cli_errors import ROOT, slow_checkpoint  # noqa: F401 (a fixture)
 
 
+# Run as `python -c HOLD_IN_PREFILL llm_inference.py FLAGS`: the program as its own __main__, but
+# that the first mx.eval() made inside a prefill (its first step in the cache) says so on the screen
+# and then waits, until Ctrl-C raises KeyboardInterrupt there, as it would at the end of that step's
+# eval. A Ctrl-C is then sure to land inside the prefill, however fast or loaded the machine: no
+# sleep is raced against the prefill's end.
+HOLD_IN_PREFILL = """
+import runpy, sys, time
+evaluate, held = mx.eval, []
+def eval_holding(*args):
+    evaluate(*args)
+    frame, callers = sys._getframe(1), []
+    while frame:
+        callers.append(frame.f_code.co_name)
+        frame = frame.f_back
+    if not held and any("prefill" in name or name == "hidden_pass" for name in callers):
+        held.append(callers)
+        print("[test: a prefill step is in the cache; waiting for Ctrl-C]", flush=True)
+        try:
+            time.sleep(600)
+        except KeyboardInterrupt:
+            print("[test: Ctrl-C in the prefill]", flush=True)
+            raise
+mx.eval = eval_holding
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+# Timeouts only bound a hang: a loaded machine may take minutes over a slow checkpoint's prefill.
+TIMEOUT = 300
+
+
 class Terminal:
     """The CLI with a pseudo-terminal as its standard input and output (readline then edits the
-    line); stderr apart. read_until() waits for text on the screen, type() types."""
+    line); stderr apart. read_until() waits for text on the screen, type() types. hook: Python
+    code run in its place, given llm_inference.py's path and the flags (HOLD_IN_PREFILL)."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, hook=None):
         self.leader, follower = pty.openpty()
         env = dict(os.environ, PYTHONIOENCODING="utf-8", PYTHONUNBUFFERED="1", TERM="xterm")
-        self.p = subprocess.Popen([sys.executable, str(ROOT / "llm_inference.py"), *args],
+        start = [sys.executable] + (["-c", hook] if hook else [])
+        self.p = subprocess.Popen([*start, str(ROOT / "llm_inference.py"), *args],
                                   stdin=follower, stdout=follower, stderr=subprocess.PIPE, env=env)
         os.close(follower)
         self.seen = b""
 
-    def read_until(self, wanted, count=1, timeout=60):
+    def read_until(self, wanted, count=1, timeout=TIMEOUT, not_after=None):
+        """not_after: text that, seen first, fails at once (wanted will not come)."""
         deadline = time.time() + timeout
         while self.seen.count(wanted) < count:
+            if not_after and not_after in self.seen:
+                self.p.kill()
+                pytest.fail(f"saw {not_after!r} before {wanted!r}: {self.seen.decode(errors='replace')}")
             ready = select.select([self.leader], [], [], max(deadline - time.time(), 0))[0]
             try:
                 chunk = os.read(self.leader, 65536) if ready else b""
@@ -47,7 +84,7 @@ class Terminal:
         os.write(self.leader, text)
 
     def close(self):
-        out, err = self.p.communicate(timeout=60)
+        out, err = self.p.communicate(timeout=TIMEOUT)
         os.close(self.leader)
         return self.p.returncode, self.seen.decode().replace("\r\n", "\n"), err.decode()
 
@@ -140,16 +177,18 @@ def test_ctrl_c_stops_the_answer_and_the_next_turn_is_a_fresh_runs(checkpoint, q
 def test_ctrl_c_during_a_turns_prefill(slow_checkpoint, tokenizer):
     """Ctrl-C while a long line is prefilled (seconds): no answer, the prompt comes back, and the
     next answer equals a fresh run of the conversation (that turn's answer empty): the cache is
-    trusted only as far as it was before the interrupted prefill."""
+    trusted only as far as it was before the interrupted prefill. The Ctrl-C comes once the
+    prefill's first step is in the cache (HOLD_IN_PREFILL), not after a sleep that a fast machine
+    outruns (the prefill over) or a loaded one undershoots."""
     long = "The capital of France is Paris. " * 40  # ~400 tokens
-    t = Terminal("--model", str(slow_checkpoint), "--chat", "-m", "5", "--verbose")
+    t = Terminal("--model", str(slow_checkpoint), "--chat", "-m", "5", "--verbose",
+                 hook=HOLD_IN_PREFILL)
     t.read_until(b">> ")
     t.type(long.encode() + b"\r")
-    t.read_until(b"[KV cache: ")
-    time.sleep(0.5)
+    t.read_until(b"[test: a prefill step is in the cache", not_after=b"==========")
     out = interrupt_then_ask(t)
     first, second = out.split("[KV cache: ")[1:]
-    assert "==========" not in first  # stopped inside the prefill
+    assert "[test: Ctrl-C in the prefill]" in first and "==========" not in first  # stopped inside
     li.load(slow_checkpoint)
     ids = tokenizer.encode(li.chat_prompt([long, "", "And Japan?"])).ids
     assert second.split("==========\n")[1] == "".join(answer_pieces(ids, 5)) + "\n"
