@@ -1,17 +1,22 @@
 """The chat as a person holds it at a terminal (issue 35): line editing and history at the ">> "
 prompt (readline), Ctrl-C stops the answer and returns to the prompt with the conversation and its
 cache consistent, the statistics only with --verbose. Everything through a pseudo-terminal, but
-a Ctrl-C placed inside a drafted answer's verify pass (in-process)."""
+a Ctrl-C placed inside a drafted answer's verify pass and inside a Qwen3.5 turn's prefill
+(in-process, the chat through a pipe)."""
 import io
+import math
 import os
 import pty
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import llm_inference as li
@@ -25,6 +30,7 @@ from test_cli_errors import ROOT, slow_checkpoint  # noqa: F401 (a fixture)
 # sleep is raced against the prefill's end.
 HOLD_IN_PREFILL = """
 import runpy, sys, time
+import mlx.core as mx
 evaluate, held = mx.eval, []
 def eval_holding(*args):
     evaluate(*args)
@@ -236,3 +242,53 @@ def test_ctrl_c_while_drafting_and_the_next_turn_is_a_fresh_runs(checkpoint, tok
     assert 0 < len(first) < 20  # stopped on the way
     ids = tokenizer.encode(li.chat_prompt(["Hello there", li.TOK.decode(first), "And Japan?"])).ids
     assert second == list(li.generate(ids, max_tokens=20))
+
+
+def remembering(folder, into):
+    """A copy of a Qwen3.5 checkpoint whose DeltaNet heads keep 99% of their state a token
+    (A_log = log 0.01), as a trained model's slow heads do: the fixture's own (A from 1 to 16)
+    forget within a few tokens, so that a state left from before would be gone by a prompt's end."""
+    into = Path(shutil.copytree(folder, into))
+    weights = mx.load(str(into / "model.safetensors"))
+    for name in [name for name in weights if name.endswith("A_log")]:
+        weights[name] = mx.full(weights[name].shape, math.log(0.01), mx.float32)
+    mx.save_safetensors(str(into / "model.safetensors"), weights, metadata={"format": "pt"})
+    return into
+
+
+@pytest.mark.parametrize("turn", [1, 2])
+def test_a_qwen35_turn_that_cannot_reuse_its_cache_starts_afresh(qwen35, tmp_path, monkeypatch, capsys,
+                                                                turn):
+    """A Qwen3.5 chat through a pipe whose turn-th prefill is interrupted (KeyboardInterrupt, as
+    Ctrl-C raises it at a terminal) after its first step is in the cache, before the mark where the
+    cache is kept: nothing was kept at the mark, so the next turn cannot reuse the cache (a
+    DeltaNet's notes cannot be cut back) and must start from a fresh state, not go on from the
+    interrupted prefill's (or, for turn 2, the first turn's). Its answer must equal a fresh greedy
+    run of the conversation with that turn's answer empty. The model's DeltaNet remembers (a state
+    left from before changes the answer: measured, from its first or second id)."""
+    folder = remembering(qwen35(tied=False), tmp_path / "remembering")
+    li.load(folder)
+    lines = ["Hello there", "Once upon a time", "And Japan?"][:turn + 1]
+    replies, calls, forward, plain_reply = [], [], li.forward, li.reply
+
+    def reply(*args, **kwargs):  # each turn's list of printed ids, kept to compare
+        replies.append(kwargs["generated"])
+        calls.clear()
+        return plain_reply(*args, **kwargs)
+
+    def interrupted(token_ids, cache, start, *args):  # the turn-th turn's second model pass: Ctrl-C
+        calls.append(start)
+        if len(replies) == turn and len(calls) == 2:
+            raise KeyboardInterrupt
+        return forward(token_ids, cache, start, *args)
+
+    monkeypatch.setattr(li, "reply", reply)
+    monkeypatch.setattr(li, "forward", interrupted)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("".join(
+        line + "\n" for line in lines).encode())))
+    li.converse(li.parse_args(["--model", str(folder), "--chat", "-m", "8"]))
+    capsys.readouterr()
+    assert len(replies) == turn + 1 and replies[turn - 1] == [], replies  # stopped in the prefill
+    turns = [text for line, ids in zip(lines, replies) for text in (line, li.TOK.decode(ids))]
+    ids = li.tokenize(li.chat_prompt(turns[:-1]))
+    assert replies[-1] == list(li.generate(ids, max_tokens=8))
