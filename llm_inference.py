@@ -1356,6 +1356,7 @@ def chat_turns(args, at_terminal):
     terminal the prompt is prefilled STEP tokens at a time: MLX computes a step whole, so Ctrl-C
     takes effect after at most one (a CHUNK's wait would be seconds; prefill elsewhere keeps it)."""
     turns, cache, cached_ids, saved, mark = [], [None] * N_LAYERS, [], None, 0
+    think = args.think is not False  # (main() has read the template's way into it)
     while True:
         try:  # a line typed at the ">> " prompt, or read from a pipe
             line = input(">> ") if at_terminal else as_text(sys.stdin.buffer.readline())
@@ -1365,7 +1366,7 @@ def chat_turns(args, at_terminal):
         turns.append(line.rstrip("\r\n"))
         if not turns[-1]:  # an empty line, or the end of the input
             return
-        prompt_ids = tokenize(chat_prompt(turns, args.system, args.think))
+        prompt_ids = tokenize(chat_prompt(turns, args.system, think))
         reused = shared_positions(cached_ids, prompt_ids)
         if MODEL == "qwen3_5" and reused < len(cached_ids):
             # A DeltaNet's notes cannot be cut back: go on from the ones kept at the mark.
@@ -1375,7 +1376,7 @@ def chat_turns(args, at_terminal):
             print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
         # The next turn's prompt renders this answer without its thinking, so it parts from this
         # one right after "<|im_start|>assistant\n": Qwen3.5's cache is kept as it is there.
-        mark = len(prompt_ids) - len(tokenize(chat_prompt([""], None, args.think)
+        mark = len(prompt_ids) - len(tokenize(chat_prompt([""], None, think)
                                               .split("<|im_start|>assistant\n")[-1]))
         saved, generated = [] if MODEL == "qwen3_5" and mark > reused else None, []
         try:
@@ -1423,8 +1424,11 @@ def parse_args(argv):
     add("--num-draft-tokens", type=int, metavar="K", help="drafted at a time (mtp: 1, lookup: 3)")
     add("--chat", action="store_true", help="chat template; without --prompt: a chat")
     add("--system", help="system message, with --chat")
-    add("--think", action="store_true", help="thinking on, with --chat (none: as the template)")
-    add("--no-think", action="store_true", help="thinking off, with --chat")
+    thinking = ap.add_mutually_exclusive_group()  # (argparse says when both are given)
+    thinking.add_argument("--think", dest="think", action="store_const", const=True,
+                          help="thinking on, with --chat (neither flag: as its template says)")
+    thinking.add_argument("--no-think", dest="think", action="store_const", const=False,
+                          help="thinking off, with --chat")
     add("--dtype", choices=["bfloat16", "float16", "float32"], help="none: the weights' own")
     add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
     add("--explain", action="store_true", help="the steps inside (chat: each turn's)")
@@ -1445,9 +1449,8 @@ def parse_args(argv):
               (args.draft == "mtp" and args.num_draft_tokens not in (None, 1),
                "--draft mtp drafts 1 token at a time (its head predicts one ahead)"),
               (args.system is not None and not args.chat, "--system needs --chat"),
-              (args.no_think and not args.chat, "--no-think needs --chat"),
-              (args.think and not args.chat, "--think needs --chat"),
-              (args.think and args.no_think, "--think and --no-think ask for opposites"),
+              (args.think is not None and not args.chat,
+               f"--{'' if args.think else 'no-'}think needs --chat"),
               (args.quiet and args.verbose, "--quiet and --verbose ask for opposites"),
               (args.seed is not None and not 0 <= args.seed < 2**64,
                "--seed must be from 0 to 2**64 - 1")]
@@ -1514,7 +1517,8 @@ def main(argv=None):
         if args.chat and len(tokenize(tag)) != 1:  # a tokenizer without them spells them out
             raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
                             "the chat tokens of Qwen3's instruct models")
-    args.think = args.chat and (args.think or not args.no_think and thinks_first(folder))
+    if args.chat and args.think is None:  # neither --think nor --no-think: the template's way
+        args.think = thinks_first(folder)
     if args.draft == "mtp" and "mtp.fc.weight" not in W:
         raise UserError(f"{folder} has no MTP head (mtp.* tensors): --draft mtp needs Qwen3.5's "
                         "own; --draft lookup drafts with any model")

@@ -164,7 +164,7 @@ def test_ctrl_c_stops_the_answer_and_the_next_turn_is_a_fresh_runs(checkpoint, q
     else:
         pytest.fail("no line has a long answer")
     pieces = answer_pieces(ids1, 1500)
-    t = Terminal("--model", str(folder), "--chat", "-m", "1500", "--verbose")
+    t = Terminal("--model", str(folder), "--chat", "-m", "1500", "--verbose", "--think")  # as ids1
     t.read_until(b">> ")
     t.type(line.encode() + b"\r")
     t.read_until(b"==========\r\n")

@@ -128,7 +128,7 @@ def test_tensor_missing_or_wrong_shape(broken):
     (["--seed", "-1"], "--seed must be from 0 to 2**64 - 1"),
     (["--seed", str(2**64)], "--seed must be from 0 to 2**64 - 1"),
     (["--think"], "--think needs --chat"),
-    (["--chat", "--think", "--no-think"], "--think and --no-think ask for opposites"),
+    (["--chat", "--think", "--no-think"], "argument --no-think: not allowed with argument --think"),
 ])
 def test_bad_flags(checkpoint, args, needle):
     assert_error(run_cli("--model", str(checkpoint()), *args), needle)
