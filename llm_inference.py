@@ -23,13 +23,15 @@ MAX_POS = 40960  # max_position_embeddings: the longest context
 EOS_IDS = {151645, 151643}  # <|im_end|>, <|endoftext|>: the article stops on one; any stops here
 MODEL = "qwen3"  # model_type: "qwen3", or "qwen3_5" (Qwen3.5: Part II)
 QWEN35 = {}      # Qwen3.5's own config entries (Part II); {} for Qwen3
+GROUP = None     # several processes (Part II): mx.distributed's group, each holds 1/N of a block
 GROW = 256       # the KV cache's buffers hold a multiple of this many positions (Step 5)
 CHUNK = 512      # a long prompt goes through the model this many tokens at a time (Step 9)
 
 def use(cfg, weights, tokenizer):  # config.json's entries (and "eos_ids") -> the constants
     global W, TOK, D, N_LAYERS, N_HEADS, N_KV, D_HEAD, EPS, THETA, MAX_POS, EOS_IDS, MODEL, QWEN35
+    global GROUP
     W, TOK, EOS_IDS, QWEN35 = weights, tokenizer, cfg["eos_ids"], cfg.get("qwen35", {})
-    MODEL = cfg["model_type"]
+    MODEL, GROUP = cfg["model_type"], cfg.get("group")  # (one process: no group)
     D, N_LAYERS, D_HEAD = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
     N_HEADS, N_KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     EPS, THETA, MAX_POS = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["max_position_embeddings"]
@@ -63,6 +65,9 @@ def load(model_dir, dtype=None):
 
 def linear(x, name):  # x @ W[name + ".weight"].T, the article's product (quantised: Part II)
     return quantized_linear(x, name) if name + ".scales" in W else x @ W[name + ".weight"].T
+
+def summed(x):  # x, added up over the processes that each computed a part of it (Part II)
+    return x if GROUP is None else mx.distributed.all_sum(x, group=GROUP)
 
 # ═══ Step 1. Tokenize — text becomes ids, numbers in the model's own dictionary ═══
 def tokenize(text):
@@ -119,14 +124,15 @@ def attention(x, layer_idx, cache, start, rope, visible):
     q, k, v = queries_keys_values(x, p, rope)                         # (L, 16, 128), (L, 8, 128)
     keys, values = cache_write(cache, layer_idx, k, v, start)         # (8, S, 128) each
     out = attend(q, keys, values, visible)                            # (L, 2048) heads merged
-    return linear(out, p + "o_proj")                                  # (L, 1024)
+    return summed(linear(out, p + "o_proj"))                          # (L, 1024)
 
 def queries_keys_values(x, p, rope):
     """x: (L, D) -> q, k, v in heads, q and k normalised and turned. The article moves the heads
     first, (16, seq, 128); here they stay second until attend() (QK-norm, RoPE: the last axis)."""
-    q = linear(x, p + "q_proj").reshape(-1, N_HEADS, D_HEAD)          # (L, 16, 128) split heads
-    k = linear(x, p + "k_proj").reshape(-1, N_KV, D_HEAD)             # (L, 8, 128)
-    v = linear(x, p + "v_proj").reshape(-1, N_KV, D_HEAD)             # (L, 8, 128)
+    # Split into heads (N processes, Part II: 16 / N and 8 / N of them in each).
+    q = linear(x, p + "q_proj").reshape(len(x), -1, D_HEAD)           # (L, 16, 128)
+    k = linear(x, p + "k_proj").reshape(len(x), -1, D_HEAD)           # (L, 8, 128)
+    v = linear(x, p + "v_proj").reshape(len(x), -1, D_HEAD)           # (L, 8, 128)
     q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm: each head of q
     k = rms_norm(k, W[p + "k_norm.weight"], EPS)                      # QK-norm: each head of k
     q = apply_rope(q, *rope)                                          # (L, 16, 128)
@@ -176,7 +182,7 @@ def ffn(x, layer_idx):
     p = f"model.layers.{layer_idx}.mlp."
     gate = linear(x, p + "gate_proj")                                 # (L, 3072)
     up = linear(x, p + "up_proj")                                     # (L, 3072)
-    return linear(swiglu(gate, up), p + "down_proj")                  # (L, 1024)
+    return summed(linear(swiglu(gate, up), p + "down_proj"))          # (L, 1024)
 
 # ═══ Step 7. The transformer block — normalise, attend, add; normalise, think, add ═══
 def transformer_block(x, layer_idx, cache, start, rope, visible, attention=attention):
@@ -317,7 +323,7 @@ def qwen35_attention(x, layer_idx, cache, start, rope, visible):  # forward()'s,
     q, k, v, gate = gated_queries(x, layer_idx, mx.arange(start, start + x.shape[0]))
     keys, values = cache_write(cache, layer_idx, k, v, start)         # (2, S, 256) each
     out = attend(q, keys, values, visible)                            # (L, 2048) every 4th
-    return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
+    return summed(linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj"))
 
 def gated_queries(x, layer_idx, positions):
     """Step 5's projections, two things changed: q_proj also gives each head a gate (applied
@@ -325,10 +331,10 @@ def gated_queries(x, layer_idx, positions):
     x: (L, D) at positions (L,) -> q (L, 8, 256), k and v (L, 2, 256), the gate (L, 2048)."""
     p, L = f"model.layers.{layer_idx}.self_attn.", x.shape[0]
     r = int(D_HEAD * QWEN35["partial_rotary_factor"])                 # 64 of 256 dimensions
-    q = linear(x, p + "q_proj").reshape(L, N_HEADS, 2 * D_HEAD)       # (L, 8, 512) q, then gate
+    q = linear(x, p + "q_proj").reshape(L, -1, 2 * D_HEAD)            # (L, 8, 512) q, then gate
     q, gate = q[..., :D_HEAD], q[..., D_HEAD:]                        # (L, 8, 256) each
-    k = linear(x, p + "k_proj").reshape(L, N_KV, D_HEAD)              # (L, 2, 256)
-    v = linear(x, p + "v_proj").reshape(L, N_KV, D_HEAD)              # (L, 2, 256)
+    k = linear(x, p + "k_proj").reshape(L, -1, D_HEAD)                # (L, 2, 256)
+    v = linear(x, p + "v_proj").reshape(L, -1, D_HEAD)                # (L, 2, 256)
     q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm, as in Step 5
     k = rms_norm(k, W[p + "k_norm.weight"], EPS)
     rope = rope_tables(positions, x.dtype, r)                         # (L, 1, 2, 32) each
@@ -346,7 +352,7 @@ def gated_delta_net(x, layer_idx, cache):
     state S (dk, dv), storing values under keys. Each token: forget a little (S *= decay), recall
     what S holds for its key (k S), move that towards its value (S += k^T beta (v - k S)), read."""
     p, lead = f"model.layers.{layer_idx}.linear_attn.", x.shape[:-1]  # (L,), or (B, L)
-    hv, dv = QWEN35["linear_num_value_heads"], QWEN35["linear_value_head_dim"]       # 16, 128
+    hv, dv = len(W[p + "A_log"]), QWEN35["linear_value_head_dim"]     # 16 (N processes: 16 / N)
     qkv = linear(x, p + "in_proj_qkv")                                # (L, 6144) q, k, v
     z = linear(x, p + "in_proj_z").reshape(*lead, hv, dv)             # (L, 16, 128) output gate
     beta = mx.sigmoid(linear(x, p + "in_proj_b"))                     # (L, 16) write strength 0..1
@@ -359,14 +365,15 @@ def gated_delta_net(x, layer_idx, cache):
     y = rms_norm(y.astype(x.dtype), W[p + "norm.weight"], EPS)        # (L, 16, 128)
     gate = z.astype(mx.float32)                                       # (L, 16, 128) output gate
     y = y.astype(mx.float32) * (gate * mx.sigmoid(gate))              # (L, 16, 128) y * silu(z)
-    return linear(y.astype(x.dtype).reshape(*lead, -1), p + "out_proj")  # (L, 1024)
+    return summed(linear(y.astype(x.dtype).reshape(*lead, -1), p + "out_proj"))  # (L, 1024)
 
 def delta_memory(cache, layer_idx, qkv, beta, decay):
     """A sequence's L tokens (a batch's: (B, ...) in front) through the short convolution and the
     delta rule, from and into cache[layer_idx] = (conv_state, state) (None: none yet; a third
     entry, a list, is given the notes after each token) -> what each reads, (L, 16, 128) f32."""
     p, L, batch = f"model.layers.{layer_idx}.linear_attn.", qkv.shape[-2], qkv.shape[:-2]  # (B,)
-    hk, hv = QWEN35["linear_num_key_heads"], QWEN35["linear_num_value_heads"]        # 16, 16
+    hv = len(W[p + "A_log"])                                          # 16 (N processes: 16 / N)
+    hk = hv * QWEN35["linear_num_key_heads"] // QWEN35["linear_num_value_heads"]     # 16
     dk, dv = QWEN35["linear_key_head_dim"], QWEN35["linear_value_head_dim"]          # 128, 128
     width = QWEN35["linear_conv_kernel_dim"]                          # the convolution's: 4
     if cache[layer_idx] is None:                                      # nothing remembered yet
@@ -608,7 +615,7 @@ def attention_rows(x, layer_idx, cache, positions, rope, visible):
     """Step 5 on B rows of L tokens each, flattened: x (B * L, D) at positions (B * L,)."""
     p = f"model.layers.{layer_idx}.self_attn."
     q, k, v = queries_keys_values(x, p, rope)                         # (B * L, 16, 128), ...
-    return linear(attend_rows(cache, layer_idx, q, k, v, positions, visible), p + "o_proj")
+    return summed(linear(attend_rows(cache, layer_idx, q, k, v, positions, visible), p + "o_proj"))
 
 def qwen35_attention_rows(x, layer_idx, cache, positions, rope, visible):  # the same for Qwen3.5
     B, L, _ = visible.shape  # (rope unused, as in qwen35_attention())
@@ -616,7 +623,7 @@ def qwen35_attention_rows(x, layer_idx, cache, positions, rope, visible):  # the
         return gated_delta_net(x.reshape(B, L, -1), layer_idx, cache).reshape(B * L, -1)
     q, k, v, gate = gated_queries(x, layer_idx, positions)            # (B * L, 8, 256), ...
     out = attend_rows(cache, layer_idx, q, k, v, positions, visible)  # (B * L, 2048)
-    return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
+    return summed(linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj"))
 
 def forward_rows(token_ids, cache, positions):
     """token_ids (B, L): L ids of each of B sequences, row b's at positions[b].. of slot b ->
@@ -698,6 +705,37 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
                 row.token, row.finite = upcoming[b], finite[b]
                 row.pos += 1
 
+# ═══ Several machines — each process holds 1/N of every block; 2 sums a block join them ═══
+# A model too big for one Mac runs on N: mlx.launch starts one process (a rank) on each, and they
+# talk through mx.distributed. Each rank holds whole heads, the rows of q, k and v that make them
+# and the columns of o that read them; of the MLP, rows of gate and up, and the columns of down
+# that read them. So each block's attention and MLP leave a part of their output on every rank,
+# and Part I's summed() adds the N parts: one all_sum each, 2 a block, every rank the whole sum.
+# The embedding, the norms and the LM head stay whole on every rank; its KV cache holds its own
+# heads. Qwen3.5's DeltaNet splits the same way, by its key and value heads.
+SPLIT = {  # a weight's module (or a tensor's name) -> the axis cut in N: 0, rows; 1, columns
+    "q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 0, "up_proj": 0,
+    "down_proj": 1, "in_proj_qkv": 0, "conv1d": 0, "in_proj_z": 0, "in_proj_b": 0,
+    "in_proj_a": 0, "dt_bias": 0, "A_log": 0, "out_proj": 1}
+
+def shard(name, w, group, qwen35):
+    """A tensor of the whole model -> this rank's part of it (the whole if it is not split),
+    copied and evaluated now: a slice would keep the whole tensor's buffer alive, and one eval
+    over them all could hold every whole tensor at once."""
+    *_, module, last = name.split(".")
+    axis = SPLIT.get(module if last in ("weight", "scales", "biases") else last)
+    if axis is None:
+        return w
+    n, r = group.size(), group.rank()
+    if module in ("in_proj_qkv", "conv1d"):  # q, k and v one after another: each cut by heads
+        keys = qwen35["linear_num_key_heads"] * qwen35["linear_key_head_dim"]  # 2048
+        part = mx.concatenate([mx.split(s, n)[r] for s in mx.split(w, [keys, 2 * keys])])
+    else:
+        part = mx.split(w, n, axis=axis)[r]                           # 1/N of the rows or columns
+    part = mx.contiguous(part)
+    mx.eval(part)
+    return part
+
 # ═══ Part III — what serves it all: file checks, download, chat, the command line ═══
 import argparse, errno, os, re, shlex, signal, socket, sys, time, warnings  # noqa
 from contextlib import contextmanager  # noqa: E402
@@ -717,10 +755,14 @@ HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
 FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "model.safetensors"]
 
-def load_checked(model_dir, dtype=None):
-    """load() with every file, config entry and tensor checked first (UserError) -> the config"""
+def load_checked(model_dir, dtype=None, group=None):
+    """load() with every file, config entry and tensor checked first (UserError) -> the config.
+    group: mx.distributed's, of several processes: this one keeps its part of each block."""
     folder = Path(model_dir)
     cfg = read_configs(folder)  # config.json, generation_config.json: CONFIG's entries
+    cfg["group"] = group if group is not None and group.size() > 1 else None
+    if cfg["group"]:  # before any weight is read
+        check_split(cfg, group.size())
     weights = read_weights(folder, cfg, dtype)  # each tensor the model uses, of its right shape
     tok = read_tokenizer(folder, cfg)  # every id a row of the embedding
     if not (folder / "generation_config.json").exists():  # the article's four files: Qwen3's EOS
@@ -869,6 +911,8 @@ def read_weights(folder, cfg, dtype):
         for part in (".weight", ".scales", ".biases"):  # a quantised table has all three
             weights["lm_head" + part] = weights.get("model.embed_tokens" + part)
     weights = checked_shapes(weights, expected_shapes(cfg, weights), folder)
+    if cfg["group"]:  # several processes: this one's part of each block, one tensor at a time
+        weights = {name: shard(name, w, cfg["group"], cfg["qwen35"]) for name, w in weights.items()}
     # The MTP head's layer is also read as layer N (num_hidden_layers), after the model's own.
     for name in [name for name in weights if name.startswith("mtp.layers.0.")]:
         weights[f"model.layers.{cfg['num_hidden_layers']}.{name[13:]}"] = weights[name]
@@ -883,6 +927,25 @@ def read_weights(folder, cfg, dtype):
                 why = f"its values are too large for {str(dtype)[9:]} (float32 holds them)"
             raise UserError(f"tensor {name} in {source[name]} holds NaN or inf: {why}")
     return weights
+
+def check_split(cfg, n):
+    """N processes each take 1/N of a block's heads and features: N must divide every count (and,
+    quantised, leave whole groups of the numbers a row holds)."""
+    c, hd, q = cfg["qwen35"], cfg["head_dim"], cfg["quantization"]
+    counts = {"query heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"],
+              "MLP features": cfg["intermediate_size"]}
+    if c:
+        counts.update({"DeltaNet key heads": c["linear_num_key_heads"],
+                       "DeltaNet value heads": c["linear_num_value_heads"]})
+    wrong = [f"{count} {what}" for what, count in counts.items() if count % n]
+    inputs = [counts["query heads"] * hd, counts["MLP features"]]  # what o and down read
+    if c:
+        inputs.append(c["linear_num_value_heads"] * c["linear_value_head_dim"])  # out_proj's
+    if q and not wrong and any(width // n % q["group_size"] for width in inputs):
+        wrong.append(f"the quantisation's groups of {q['group_size']}")
+    if wrong:
+        raise UserError(f"{n} processes cannot share this model's blocks: {n} does not divide its "
+                        f"{', '.join(wrong)} (mlx.launch -n: a number that does)")
 
 def expected_shapes(cfg, weights):
     """The tensors the model uses -> the shapes config.json's sizes give them."""
@@ -951,14 +1014,15 @@ def read_tokenizer(folder, cfg):
 
 # ─── Download: a folder, or the Hugging Face Hub ───
 
-def model_folder(model):
+def model_folder(model, fetch=True):
     """--model -> its folder; the default folder, or a plain owner/name repo id not whole in the
-    Hugging Face cache, downloaded first (a second run asks the Hub nothing)."""
+    Hugging Face cache, downloaded first (a second run asks the Hub nothing). fetch=False (under
+    mlx.launch every process would fetch at once, and other hosts have no folder): a UserError."""
     path = Path(model).resolve()
     if path.is_file():
         raise UserError(f"{path} is a file, not a folder (a model is a folder)")
     if path == HERE / "Qwen3-0.6B" and not complete(path):  # the article's folder
-        return download(REPO, path)
+        return download(REPO, path) if fetch else not_fetched(REPO, path)
     if path.exists():
         return path
     if not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", model):  # ./x, ../x, a/b/c, x: paths
@@ -967,7 +1031,14 @@ def model_folder(model):
     from huggingface_hub import try_to_load_from_cache  # (only here: it takes a moment to import)
     config = try_to_load_from_cache(model, "config.json")  # its path, or a mark that it is not
     cached = Path(config).parent if isinstance(config, str) else None
-    return cached if cached and complete(cached) else download(model, None)
+    if cached and complete(cached):
+        return cached
+    return download(model, None) if fetch else not_fetched(model, None)
+
+def not_fetched(repo, local_dir):
+    raise UserError(f"{local_dir or repo} is not here whole, and under mlx.launch nothing is "
+                    "downloaded (each process would fetch it at once): on each host, first run "
+                    f"{hand_command(repo, local_dir)}")
 
 def complete(folder):  # does it hold what load_checked() reads? (generation_config.json: optional)
     needed = [folder / "config.json", folder / "tokenizer.json", *weight_files(folder)]
@@ -1025,13 +1096,15 @@ def fetch_missing(repo, local_dir):  # download()'s work -> the folder
         why = download_trouble(e, into)
         if why is None:
             raise
-        command = f"hf download {repo} {' '.join(FILES)} --local-dir {shlex.quote(str(into))}"
-        if local_dir is None:
-            command = f'hf download {repo} --include "*.json" --include "*.jinja" --include ' \
-                '"*.safetensors"'
         raise UserError(f"could not download {name} of {repo}: {why}. To fetch it by hand, run "
-                        f"this, then the same command again: {command}") from None
+                        f"this, then the same command again: {hand_command(repo, local_dir)}"
+                        ) from None
     return Path(path).parent
+
+def hand_command(repo, local_dir):  # the shell command that fetches what download() would
+    if local_dir is None:  # into the Hugging Face cache
+        return f'hf download {repo} --include "*.json" --include "*.jinja" --include "*.safetensors"'
+    return f"hf download {repo} {' '.join(FILES)} --local-dir {shlex.quote(str(local_dir))}"
 
 def fetch(repo, name, local_dir, tries=5):
     """hf_hub_download(), tried again when the connection is reset mid-file (huggingface_hub
@@ -1151,8 +1224,9 @@ def explain(prompt_ids, blocks, logits, cache, start, k):
     for i, (token, p) in enumerate(logit_lens(blocks), 1):
         print(bar_row(f"block {i}", token, p))
     print("\n".join(bar_row("", token, p) for token, p in top_tokens(logits, k)))
+    heads = "heads" if GROUP is None else f"rank 0's {N_HEADS // GROUP.size()} heads of {N_HEADS}"
     print("where the last token looks: each attention block's 3 heaviest tokens of the prompt "
-          "(averaged over heads)")
+          f"(averaged over {heads})")
     for i, weights in attention_looks(prompt_ids, blocks, cache, start):
         weights = weights[start:].tolist()                            # the prompt's positions
         top = sorted(range(len(weights)), key=weights.__getitem__, reverse=True)[:3]
@@ -1256,16 +1330,41 @@ def print_stats(n_prompt, n, tic, t_first, cache, held):
     print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (t_first - tic):.3f} "
           "tokens-per-sec")
     print(f"Generation: {n} tokens, {rate:.3f} tokens-per-sec")
-    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    peaks = [mx.get_peak_memory()]
+    if GROUP is not None:  # every process's, gathered in one more sum (each fills its own slot)
+        mine = mx.zeros(GROUP.size())
+        mine[GROUP.rank()] = peaks[0]
+        peaks = mx.distributed.all_sum(mine, group=GROUP).tolist()
+    print("Peak memory: " + ", ".join(f"{peak / 1e9:.3f} GB" + (f" (rank {r})" if GROUP else "")
+                                      for r, peak in enumerate(peaks)))
     print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
           f"({cache_bytes(cache) / 1e6:.3f} MB allocated)")
     if MODEL == "qwen3_5":  # the other memory
         print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
               f"{cache_bytes(cache, kind='linear_attention') / 1e6:.3f} MB at any length")
     weights, memory = token_bytes(cache, held + n)
-    print(f"Bytes per token: {weights / 1e6:.3f} MB of weights + {memory / 1e6:.3f} MB of cache, "
-          f"{(weights + memory) * rate / 1e9:.3f} GB/s at {rate:.3f} tokens-per-sec", flush=True)
+    print(f"Bytes per token{'' if GROUP is None else ', rank 0'}: {weights / 1e6:.3f} MB of "
+          f"weights + {memory / 1e6:.3f} MB of cache, {(weights + memory) * rate / 1e9:.3f} GB/s "
+          f"at {rate:.3f} tokens-per-sec", flush=True)
+    if GROUP is not None:  # what joining the processes' parts costs a token
+        x = mx.zeros((1, D), W["model.norm.weight"].dtype)            # a block's output, a token
+        seconds = all_sum_seconds(2 * N_LAYERS, x)
+        print(f"All-sums: {2 * N_LAYERS} a token (2 a block) over {GROUP.size()} processes, "
+              f"{x.nbytes / 1e3:.3f} kB each; timed alone, {seconds * 1e3:.3f} ms a token: "
+              f"{100 * seconds * rate:.1f}% of its time", flush=True)
     return (weights + memory) * rate
+
+def all_sum_seconds(n, x, tries=3):
+    """n all-sums of x over GROUP one after another, each waited for (as a token's are: each
+    block needs the last one's), timed alone: the best of tries, in seconds."""
+    best = math.inf
+    for _ in range(tries):
+        tic = time.perf_counter()
+        for _ in range(n):
+            x = mx.distributed.all_sum(x, group=GROUP)
+            mx.eval(x)
+        best = min(best, time.perf_counter() - tic)
+    return best
 
 def token_bytes(cache, held):
     """What decoding one token reads -> (its weights' bytes, its cache's): each weight it uses
@@ -1312,7 +1411,8 @@ def reply_batch(texts, prompts, args):
         return
     n, held = sum(len(ids) for ids in done), sum(positions for _, positions in ended)
     full = N_LAYERS - sum(deltanet(i) for i in range(N_LAYERS))  # its layers with keys and values
-    kv = held * full * 2 * N_KV * D_HEAD * W["model.norm.weight"].dtype.size
+    kv_heads = N_KV // (GROUP.size() if GROUP else 1)  # (several processes: rank 0's)
+    kv = held * full * 2 * kv_heads * D_HEAD * W["model.norm.weight"].dtype.size
     rows = min(args.batch_size, len(prompts))  # a token of each row shares one read of the weights
     print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
           f"--batch-size {args.batch_size}")
@@ -1496,6 +1596,8 @@ def summary(folder, cfg):
     if quant:  # packed words: the format and the bytes, not the count
         size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
                 f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
+    if cfg["group"]:  # what this process holds
+        size += f" on rank 0 of {cfg['group'].size()} (each 1/{cfg['group'].size()} of a block)"
     name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
     if MODEL == "qwen3_5":  # and what of it is not run
         head = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
@@ -1505,14 +1607,55 @@ def summary(folder, cfg):
             f"{size}, {str(W['model.norm.weight'].dtype).split('.')[-1]}")  # bfloat16, say
 
 def main(argv=None):
-    if sys.stdout is None:  # closed (>&-): the text would go nowhere, and the exit say success
-        raise UserError("standard output is closed (>&-): there is nowhere to write the text")
-    args = parse_args(argv)
-    texts = read_prompts(args)
+    group = mx.distributed.init()  # mlx.launch's processes (ranks), or this one alone
+    try:
+        args, folder, cfg, texts, prompts = setup(argv, group)
+        failed = None
+    except UserError as e:
+        failed = e
+    if group.size() > 1:  # every rank's checks agreed on in one sum: all go on, or all end
+        failures = mx.distributed.all_sum(mx.array(failed is not None, mx.int32), group=group)
+        if failures.item():
+            if failed and failures.item() < group.size():  # this rank's own: its rank in front
+                print(f"rank {group.rank()}: {failed.code}", file=sys.stderr, flush=True)
+            elif failed and group.rank() == 0:  # every rank's: rank 0 says it once
+                print(failed.code, file=sys.stderr, flush=True)
+            # mlx.launch ends the rest when one ends with an error: every line is out first.
+            mx.distributed.all_sum(mx.array(0), group=group).item()
+            raise SystemExit(1)
+        if group.rank() > 0:  # rank 0 alone prints; the others compute beside it
+            sys.stdout = open(os.devnull, "w")
+    if failed:
+        raise failed
+    if group.size() > 1 and args.seed is None:  # each process seeds itself: all take rank 0's
+        mine = int.from_bytes(os.urandom(3), "little") if group.rank() == 0 else 0
+        args.seed = mx.distributed.all_sum(mx.array(mine), group=group).item()
     if args.seed is not None:
         mx.random.seed(args.seed)
-    folder = model_folder(args.model)
-    cfg = load_checked(folder, args.dtype and getattr(mx, args.dtype))
+    if not args.quiet:
+        print(summary(folder, cfg))
+    if prompts is None:
+        converse(args)
+    elif len(prompts) > 1:
+        reply_batch(texts, prompts, args)
+    else:
+        reply(prompts[0], args, [None] * N_LAYERS, echo="" if args.chat else texts[0])
+
+def setup(argv, group):
+    """main()'s flags, prompts, folder and files, each checked before any output -> args, the
+    folder, its config, the prompts' texts and ids (None: a conversation)."""
+    if sys.stdout is None:  # closed (>&-): the text would go nowhere, and the exit say success
+        raise UserError("standard output is closed (>&-): there is nowhere to write the text")
+    args, launched = parse_args(argv), group.size() > 1
+    if launched and "-" in (args.prompt or []):  # mlx.launch never ends the ranks' input
+        raise UserError("--prompt - reads standard input, which mlx.launch passes to rank 0 "
+                        "alone and never closes: give the prompt's text")
+    if launched and args.chat and not args.prompt and not args.prompts:
+        raise UserError("--chat without --prompt is a conversation on standard input, which "
+                        "mlx.launch passes to rank 0 alone: give --prompt, or chat in one process")
+    texts = read_prompts(args)
+    folder = model_folder(args.model, fetch=not launched)
+    cfg = load_checked(folder, args.dtype and getattr(mx, args.dtype), group)
     for tag in ("<|im_start|>", "<|im_end|>"):
         if args.chat and len(tokenize(tag)) != 1:  # a tokenizer without them spells them out
             raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
@@ -1530,14 +1673,7 @@ def main(argv=None):
         longest = max(len(ids) for ids in prompts)
         if longest >= MAX_POS:
             raise UserError(f"a prompt is {longest} tokens; the context holds {MAX_POS}")
-    if not args.quiet:
-        print(summary(folder, cfg))
-    if prompts is None:
-        converse(args)
-    elif len(prompts) > 1:
-        reply_batch(texts, prompts, args)
-    else:
-        reply(prompts[0], args, [None] * N_LAYERS, echo="" if args.chat else texts[0])
+    return args, folder, cfg, texts, prompts
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130
@@ -1555,5 +1691,8 @@ if __name__ == "__main__":
         print(file=sys.stderr)
         sys.exit(130)
     except FloatingPointError as e:  # not_finite()'s: the logits overflowed the dtype
-        print(f"error: {e} (--dtype float32)", file=sys.stderr)
+        if GROUP is None or GROUP.rank() == 0:  # (every rank's logits are the same: said once)
+            print(f"error: {e} (--dtype float32)", file=sys.stderr, flush=True)
+        if GROUP is not None:  # the line out before any rank ends (mlx.launch ends the rest)
+            mx.distributed.all_sum(mx.array(0), group=GROUP).item()
         sys.exit(1)
