@@ -112,7 +112,8 @@ def apply_rope(x, cos, signed_sin):
     its two halves: (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin), (x2, x1) the halves reversed
     (a view: no copy, unlike the article's concatenate). The article's apply_rope(q, k): both."""
     if not isinstance(signed_sin, mx.array):  # the article's call: say ours
-        raise TypeError("apply_rope() turns one tensor: apply_rope(q, *rope_tables(mx.array(pos), q.dtype))")
+        raise TypeError("apply_rope() turns one tensor: "
+                        "apply_rope(q, *rope_tables(mx.array(pos), q.dtype))")
     halves = x.reshape(*x.shape[:-1], 2, -1)                          # (L, heads, 2, 64) x1, x2
     turned = halves * cos + halves[..., ::-1, :] * signed_sin         # (L, heads, 2, 64)
     return turned.reshape(x.shape)                                    # (L, heads, 128)
@@ -1249,7 +1250,8 @@ def attention_looks(prompt_ids, blocks, cache, start=0):
         if MODEL == "qwen3_5":
             q = gated_queries(h, i, last)[0]                          # (1, heads, hd)
         else:
-            q = queries_keys_values(h, f"model.layers.{i}.self_attn.", rope_tables(last, h.dtype))[0]
+            rope = rope_tables(last, h.dtype)
+            q = queries_keys_values(h, f"model.layers.{i}.self_attn.", rope)[0]
         keys = cache[i][0][:, :S]                                     # (KV, S, hd)
         by_kv = q.reshape(keys.shape[0], -1, keys.shape[-1])          # (KV, 2, hd) as attend()'s
         scores = masked_scores(by_kv @ keys.swapaxes(-1, -2), mx.array(True), math.sqrt(
