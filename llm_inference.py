@@ -86,18 +86,16 @@ def embed(token_ids):
 # and fuses its element-wise steps into one kernel. Delete it: the same numbers, more slowly.
 @mx.compile
 def rms_norm(x, w, eps=1e-6):
-    """x: (..., n), w: (n,) -> x / sqrt(mean(x^2) + eps) * w: normalised in float32 (in bfloat16
-    the mean drifts), the gain after the cast back, as in Hugging Face's code. eps: the article's
-    EPS unless given (a compiled trace keeps what it read)."""
+    """x: (..., n), w: (n,) -> x / sqrt(mean(x^2) + eps) * w: normalised in float32 (bfloat16's
+    mean drifts), cast back, then the gain (as HF). eps: EPS unless given (a trace keeps its)."""
     x32 = x.astype(mx.float32)                                        # (..., n)
     x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # (..., n)
     return w * x32.astype(x.dtype)                                    # (..., n)
 
 # ═══ Step 4. RoPE — a clock hand per pair of dimensions, turned by the token's position ═══
 def rope_tables(positions, dtype, dims=None):
-    """positions (L,) -> cos, signed_sin (L, 1, 2, 64), for the two halves of each head: pair i
-    turns by position * f_i. Once per pass (the article: each layer's), in the model's dtype
-    (its float32 ones would promote q, k, then all)."""
+    """positions (L,) -> cos, signed_sin (L, 1, 2, 64) for the halves of each head: pair i turns by
+    position * f_i. Once a pass (the article: per layer), in the model's dtype (float32 spreads)."""
     half = (dims or D_HEAD) // 2                                      # 64
     freqs = 1.0 / THETA ** (mx.arange(half, dtype=mx.float32) / half)  # (64,) f_i
     angles = positions.astype(mx.float32)[:, None, None, None] * freqs  # (L, 1, 1, 64) float32
@@ -128,9 +126,9 @@ def attention(x, layer_idx, cache, start, rope, visible):
     return summed(linear(out, p + "o_proj"))                          # (L, 1024)
 
 def queries_keys_values(x, p, rope):
-    """x: (L, D) -> q, k, v in heads, q and k normalised and turned. The article moves the heads
-    first, (16, seq, 128); here they stay second until attend() (QK-norm, RoPE: the last axis)."""
-    # Split into heads (N processes, Part II: 16 / N and 8 / N of them in each).
+    """x: (L, D) -> q, k, v in heads (N processes, Part II: 1/N of them in each), q and k normalised
+    and turned. The article moves heads first, (16, seq, 128); here they stay second (the last axis:
+    QK-norm, RoPE) until attend()."""
     q = linear(x, p + "q_proj").reshape(len(x), -1, D_HEAD)           # (L, 16, 128)
     k = linear(x, p + "k_proj").reshape(len(x), -1, D_HEAD)           # (L, 8, 128)
     v = linear(x, p + "v_proj").reshape(len(x), -1, D_HEAD)           # (L, 8, 128)
@@ -188,7 +186,7 @@ def ffn(x, layer_idx):
 # ═══ Step 7. The transformer block — normalise, attend, add; normalise, think, add ═══
 def transformer_block(x, layer_idx, cache, start, rope, visible, attention=attention):
     """x: (L, D) at positions start.. -> (L, D). Pre-norm, a residual around each half. attention:
-    Step 5's, or Part II's (batching's start: every token's position, (B * L,))."""
+    Step 5's, or Part II's (a batch's start: every token's position, (B * L,))."""
     p = f"model.layers.{layer_idx}."
     h = rms_norm(x, W[p + "input_layernorm.weight"], EPS)             # (L, 1024)
     out = attention(h, layer_idx, cache, start, rope, visible)        # (L, 1024)
@@ -1104,7 +1102,8 @@ def fetch_missing(repo, local_dir):  # download()'s work -> the folder
 
 def hand_command(repo, local_dir):  # the shell command that fetches what download() would
     if local_dir is None:  # into the Hugging Face cache
-        return f'hf download {repo} --include "*.json" --include "*.jinja" --include "*.safetensors"'
+        return f'hf download {repo} --include "*.json" --include "*.jinja" --include ' \
+            '"*.safetensors"'
     return f"hf download {repo} {' '.join(FILES)} --local-dir {shlex.quote(str(local_dir))}"
 
 def fetch(repo, name, local_dir, tries=5):
