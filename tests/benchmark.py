@@ -13,6 +13,8 @@
     python tests/benchmark.py --qwen35 --draft mtp   # drafting: heads that agree, half agree, random
     python tests/benchmark.py --draft lookup         # prompt lookup on Qwen3, a repetitive prompt
     python tests/benchmark.py --bandwidth            # --explain's memory figure beside numpy's copy
+    python tests/benchmark.py --ranks                # tensor parallel rows, one process; and two:
+    mlx.launch -n 2 --python "$(which python)" -- tests/benchmark.py --ranks
 
 Runs alternate between the two implementations (ours, mlx-lm, ours, mlx-lm, ...) after one
 warm-up each, and each figure is the median over --runs. Prefill tokens/s = prompt tokens / time
@@ -241,6 +243,40 @@ def draft_cost(runs=10):
     return statistics.median(times["head"]) / statistics.median(times["step"])
 
 
+def rank_rows(shape, dtype, runs):
+    """Several processes (run under mlx.launch -n N; alone: N = 1): ours (load_checked with the
+    group) against mlx-lm's own tensor parallelism (sharded_load, its shard()), decode tokens/s
+    after a 16-token prompt, interleaved, medians of runs; the all-sums' share of our token's time
+    (li.all_sum_seconds, as the statistics time it) and the kernels a decoded token launches."""
+    from mlx_lm.utils import sharded_load
+    group = mx.distributed.init()
+    folder = write_checkpoint(tempfile.mkdtemp(), build_tokenizer(), dtype=dtype,
+                              lm_head="tied_stored", init="realistic", **shape)  # the same weights
+    li.load_checked(folder, None, group)                              # on every rank (seeded)
+    model, _ = sharded_load(str(folder)) if group.size() > 1 else load_model(Path(folder))
+    impls, rates = {"ours": Ours(), "mlx-lm": MlxLm(model)}, {}
+    prompt = [(7 * i + 3) % 300 for i in range(16)]
+    for run in range(runs + 1):
+        for name, impl in impls.items():
+            if run:  # run 0 is the warm-up
+                rates.setdefault(name, []).append(timed(impl.generate(prompt, 33), 16)[1])
+            else:
+                timed(impl.generate(prompt, 33), 16)
+    ours, theirs = (statistics.median(rates[name]) for name in impls)
+    x = mx.zeros((1, li.D), li.W["model.norm.weight"].dtype)
+    sums = li.all_sum_seconds(2 * li.N_LAYERS, x) if group.size() > 1 else 0.0
+    kernels = (kernels_per_layer(ours_step, li.N_LAYERS),
+               kernels_per_layer(lambda: mlx_lm_step(model), li.N_LAYERS))  # noqa: E731
+    if group.rank() == 0:
+        print(f"{mx.default_device()}, {group.size()} process(es), {li.N_LAYERS} layers, {dtype}, "
+              f"runs={runs}")
+        print(f"decode tokens/s after 16: ours {ours:.2f}, mlx-lm {theirs:.2f}, ratio "
+              f"{ours / theirs:.2f}x; all-sums alone {sums * 1e3:.2f} ms a token, "
+              f"{100 * sums * ours:.1f}% of ours")
+        print(f"kernels a layer for one decoded token: ours {kernels[0]:.1f}, mlx-lm "
+              f"{kernels[1]:.1f}")
+
+
 def bandwidth_rows(rounds=5, size=2**28):
     """--explain's memory figure, li.bandwidth() (the best of 5 reads of size bytes already in
     memory), beside numpy copying the same bytes between two buffers already written (the best of
@@ -278,9 +314,16 @@ def main():
     ap.add_argument("--no-plain-runs", action="store_true", help="batching: skip the B plain runs")
     ap.add_argument("--draft", choices=["mtp", "lookup"], help="the drafting rows only")
     ap.add_argument("--bandwidth", action="store_true", help="--explain's figure beside numpy's copy")
+    ap.add_argument("--ranks", action="store_true",
+                    help="under mlx.launch -n N: ours against mlx-lm's sharded_load")
     args = ap.parse_args()
     if args.bandwidth:
         return bandwidth_rows()
+    if args.ranks:
+        shape = SMALL if args.shape == "small" else dict(
+            QWEN3_06B, num_hidden_layers=args.layers,
+            vocab_size=QWEN3_06B["vocab_size"] * args.layers // 28 // 64 * 64)
+        return rank_rows(shape, args.dtype, args.runs)
     tmp = tempfile.TemporaryDirectory()
     folder = args.model
     if folder is None and args.shape == "small":
