@@ -41,6 +41,17 @@ def assert_error(r, *needles):
         assert needle in lines[0], (needle, lines[0])
 
 
+def save_weights(path, weights, **kw):
+    """mx.save_safetensors(path, weights), never over the file they were loaded from: mx.load reads
+    a tensor only when it is used, and saving over its file truncates it first (MLX 0.29.3 then
+    saves wrong values, at times NaN and inf; 0.32.2 fails to read; 0.32.4 reads them all first).
+    Written beside it, then renamed over it: the open file keeps its data until then."""
+    path = Path(path)
+    part = path.with_name(f".{path.stem}.partial.safetensors")
+    mx.save_safetensors(str(part), weights, **kw)
+    os.replace(part, path)
+
+
 @pytest.fixture
 def broken(checkpoint, tmp_path):
     """A fresh copy of the tiny checkpoint to break."""
@@ -103,11 +114,11 @@ def test_tensor_missing_or_wrong_shape(broken):
     path = broken / "model.safetensors"
     w = mx.load(str(path))
     w["model.layers.2.self_attn.k_proj.weight"] = mx.zeros((3, 64))
-    mx.save_safetensors(str(path), w, metadata={"format": "pt"})
+    save_weights(path, w, metadata={"format": "pt"})
     assert_error(run_cli("--model", str(broken)), "model.layers.2.self_attn.k_proj.weight has shape (3, 64)",
                  "expected shape (64, 64)")
     del w["model.layers.2.self_attn.k_proj.weight"]
-    mx.save_safetensors(str(path), w, metadata={"format": "pt"})
+    save_weights(path, w, metadata={"format": "pt"})
     assert_error(run_cli("--model", str(broken)), "model.layers.2.self_attn.k_proj.weight is missing",
                  "expected shape (64, 64)")
 
@@ -439,7 +450,7 @@ def test_untied_model_without_its_head(broken):
     path = broken / "model.safetensors"
     w = mx.load(str(path))
     del w["lm_head.weight"]
-    mx.save_safetensors(str(path), w, metadata={"format": "pt"})
+    save_weights(path, w, metadata={"format": "pt"})
     assert_error(run_cli("--model", str(broken)), f"tensor lm_head.weight is missing in {broken} "
                  "(tie_word_embeddings is false); expected shape (640, 64)")
 
@@ -478,7 +489,7 @@ def test_weight_that_is_not_finite(broken):
     path = broken / "model.safetensors"
     w = mx.load(str(path))
     w["model.layers.1.mlp.down_proj.weight"][3, 5] = mx.nan
-    mx.save_safetensors(str(path), w, metadata={"format": "pt"})
+    save_weights(path, w, metadata={"format": "pt"})
     r = run_cli("--model", str(broken), "-m", "3")
     assert_error(r, f"tensor model.layers.1.mlp.down_proj.weight in {path} holds NaN or inf: "
                  "the file is damaged; download it again")
@@ -490,7 +501,7 @@ def test_weight_that_does_not_fit_float16(checkpoint, tmp_path):
     folder = Path(shutil.copytree(checkpoint(dtype="bfloat16"), tmp_path / "m"))
     w = mx.load(str(folder / "model.safetensors"))
     w["model.embed_tokens.weight"][7, 1] = 1e6
-    mx.save_safetensors(str(folder / "model.safetensors"), w, metadata={"format": "pt"})
+    save_weights(folder / "model.safetensors", w, metadata={"format": "pt"})
     assert run_cli("--model", str(folder), "-m", "2").returncode == 0
     assert_error(run_cli("--model", str(folder), "-m", "2", "--dtype", "float16"),
                  "tensor model.embed_tokens.weight in", "holds NaN or inf: its values are too large "
@@ -505,7 +516,7 @@ def overflowing(checkpoint, tmp_path):
     folder = Path(shutil.copytree(checkpoint(), tmp_path / "m"))
     w = mx.load(str(folder / "model.safetensors"))
     w["model.layers.0.post_attention_layernorm.weight"] *= 1000
-    mx.save_safetensors(str(folder / "model.safetensors"), w, metadata={"format": "pt"})
+    save_weights(folder / "model.safetensors", w, metadata={"format": "pt"})
     return folder
 
 

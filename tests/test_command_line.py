@@ -5,7 +5,7 @@ import re
 import time
 
 import llm_inference as li
-from test_cli_errors import assert_error, run_cli
+from test_cli_errors import assert_error, run_cli, save_weights
 
 
 def test_help_shows_every_flag_with_its_default(checkpoint):
@@ -104,7 +104,7 @@ def test_one_logit_that_is_not_finite_stops_before_any_text(checkpoint, tokenize
     h = li.rms_norm(hidden[-1][-1], li.W["model.norm.weight"], li.EPS)
     weights = mx.load(str(folder / "model.safetensors"))
     weights["lm_head.weight"][7] = 60000 * mx.sign(h)
-    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    save_weights(folder / "model.safetensors", weights, metadata={"format": "pt"})
     r = run_cli("--model", str(folder), "--prompt", "Once upon a time", "--dtype", "float16")
     assert_error(r, "not finite")
     assert "==========" not in r.stdout

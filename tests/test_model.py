@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 import llm_inference as li
+from test_cli_errors import save_weights
 
 TEXT = "The capital of France is Paris. 日本の首都は東京です。 Emoji 😀 ❤️!"
 
@@ -239,11 +240,11 @@ def test_load_rejects_wrong_shape(checkpoint, tmp_path):
     folder = Path(shutil.copytree(checkpoint(), tmp_path / "m"))
     w = mx.load(str(folder / "model.safetensors"))
     w["model.layers.1.mlp.up_proj.weight"] = mx.zeros((3, 64))
-    mx.save_safetensors(str(folder / "model.safetensors"), w)
+    save_weights(folder / "model.safetensors", w)
     with pytest.raises(li.UserError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(160, 64\)"):
         li.load_checked(folder)
     del w["model.layers.1.mlp.up_proj.weight"]
-    mx.save_safetensors(str(folder / "model.safetensors"), w)
+    save_weights(folder / "model.safetensors", w)
     with pytest.raises(li.UserError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing"):
         li.load_checked(folder)
 

@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.convert import convert
 
 import llm_inference as li
-from test_cli_errors import assert_error, run_cli
+from test_cli_errors import assert_error, run_cli, save_weights
 from test_model import (TEXT, assert_generate_agrees, greedy_along_mlx_lm, mlx_lm_greedy,
                         mlx_lm_logits, rel_err)
 
@@ -203,7 +203,7 @@ def test_a_packing_that_does_not_fit_the_config(quantized, tmp_path):
     folder = Path(shutil.copytree(quantized("4bit-g64-untied"), tmp_path / "m"))
     w = mx.load(str(folder / "model.safetensors"))
     w["model.layers.0.mlp.up_proj.weight"] = w["model.layers.0.mlp.up_proj.weight"][:, :14]
-    mx.save_safetensors(str(folder / "model.safetensors"), w, metadata={"format": "mlx"})
+    save_weights(folder / "model.safetensors", w, metadata={"format": "mlx"})
     assert_error(run_cli("--model", str(folder)), "tensor model.layers.0.mlp.up_proj.weight in",
                  "(384, 14) packed with scales (384, 2) is not MLX's quantisation of (384, 128)")
 

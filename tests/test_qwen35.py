@@ -21,7 +21,7 @@ from mlx_lm.convert import convert
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import llm_inference as li
-from test_cli_errors import assert_error, run_cli
+from test_cli_errors import assert_error, run_cli, save_weights
 from test_model import (TEXT, assert_generate_agrees, greedy_along_mlx_lm, mlx_lm_greedy,
                         mlx_lm_logits, ours_logits, rel_err)
 
@@ -322,7 +322,7 @@ def test_missing_deltanet_tensor(qwen35, tmp_path):
     folder = Path(shutil.copytree(qwen35(), tmp_path / "model"))
     weights = mx.load(str(folder / "model.safetensors"))
     del weights["model.language_model.layers.1.linear_attn.A_log"]
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    save_weights(folder / "model.safetensors", weights)
     assert_error(run_cli("--model", str(folder)), "tensor model.layers.1.linear_attn.A_log is missing",
                  "expected shape (4,)")
 
