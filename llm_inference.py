@@ -1650,11 +1650,11 @@ def setup(argv, group):
         raise UserError("standard output is closed (>&-): there is nowhere to write the text")
     args, launched = parse_args(argv), group.size() > 1
     if launched and "-" in (args.prompt or []):  # mlx.launch never ends the ranks' input
-        raise UserError("--prompt - reads standard input, which mlx.launch passes to rank 0 "
-                        "alone and never closes: give the prompt's text")
+        raise UserError("--prompt - reads standard input to its end, which under mlx.launch never "
+                        "comes: give the prompt's text")
     if launched and args.chat and not args.prompt and not args.prompts:
         raise UserError("--chat without --prompt is a conversation on standard input, which "
-                        "mlx.launch passes to rank 0 alone: give --prompt, or chat in one process")
+                        "mlx.launch never ends: give --prompt, or chat in one process")
     texts = read_prompts(args)
     folder = model_folder(args.model, fetch=not launched)
     cfg = load_checked(folder, args.dtype and getattr(mx, args.dtype), group)
