@@ -69,10 +69,11 @@ def kernels_per_layer(step, n_layers):
     """step(): one decoded token's logits, built lazily (an evaluated KV cache behind it) ->
     the kernels that computing them launches, per layer. Counted in MLX's graph of the step
     (mx.export_to_dot): every node but the views; a compiled function's fused node counts once,
-    as does each mx.fast kernel. The embedding, final norm and LM head are in the count too."""
+    as does each mx.fast kernel and each distributed sum ("Sum AllReduce"). The embedding, final
+    norm and LM head are in the count too."""
     with tempfile.TemporaryDirectory() as folder:
         mx.export_to_dot(f"{folder}/step.dot", step())
-        names = re.findall(r'label ="(\w+)"', Path(f"{folder}/step.dot").read_text())
+        names = re.findall(r'label ="([\w ]+)"', Path(f"{folder}/step.dot").read_text())
     return sum(name not in VIEWS for name in names) / n_layers
 
 
