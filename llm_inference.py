@@ -440,18 +440,18 @@ def lookup_draft(history, n_draft, longest=3):
                 return history[i + n:i + n + n_draft]
     return []
 
-def hidden_pass(token_ids, cache, start, lens=None):
+def hidden_pass(token_ids, cache, start, last=None):
     """Steps 2-7 for the ids at positions start.., CHUNK at a time -> the last block's output
     after the final norm (L, D), what the MTP head reads; the LM head is left to the caller.
-    lens: a list, given the last token's x after each block (--explain's logit lens)."""
+    last: a list, given the last token's x after each block (what --explain looks at)."""
     chunks = []
     for i in range(0, len(token_ids), CHUNK):
         blocks = []
         forward(token_ids[i:i + CHUNK], cache, start + i, blocks)  # its logits are never computed
         chunks.append(rms_norm(blocks[-1], W["model.norm.weight"], EPS))
         mx.eval(chunks[-1], cache)
-    if lens is not None:
-        lens.extend(x[-1:] for x in blocks)
+    if last is not None:
+        last.extend(x[-1:] for x in blocks)
     return mx.concatenate(chunks)                                     # (L, 1024)
 
 class MTPHead:
@@ -736,7 +736,8 @@ def shard(name, w, group, qwen35):
     return part
 
 # ═══ Part III — what serves it all: file checks, download, chat, the command line ═══
-import argparse, errno, os, re, shlex, signal, socket, sys, time, warnings  # noqa
+import argparse, errno, os, re, shlex, shutil, signal, socket, sys, time, unicodedata  # noqa
+import warnings  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from tokenizers.decoders import DecodeStream  # noqa: E402
 from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokenizers)
@@ -1209,21 +1210,15 @@ def top_tokens(logits, k, where="the prompt"):
     top = mx.argsort(-probs)[:k].tolist()                             # (k,) likeliest first
     return [(t, probs[t].item()) for t in top]
 
-def logit_lens(blocks):
-    """blocks: x after each block -> [(id, p)], the likeliest token had the model stopped there."""
-    return [top_tokens(lm_head(x)[-1], 1, f"block {i}")[0] for i, x in enumerate(blocks, 1)]
-
 def bar_row(label, token, p):  # a row of a probability table: 30 blocks for p = 1
     return f"{label:>10} {shown(token):>18} {p:<8.4g}{'█' * round(30 * p)}"
 
 def explain(prompt_ids, blocks, logits, cache, start, k):
-    """--explain: the tokens, the answer forming block by block (blocks: x after each), the top k
-    next tokens, then where the prompt's last token looks in each attention block."""
+    """--explain, before the answer: the tokens, the top k next tokens, then where the prompt's
+    last token looks in each attention block (blocks: its x after each)."""
     print("tokens:", ", ".join(f"{shown(t)} {t}" for t in prompt_ids))
     print(f"embedding: {embed(prompt_ids).shape}")
-    print("the answer forming: the likeliest next token after block i; then the model's top K")
-    for i, (token, p) in enumerate(logit_lens(blocks), 1):
-        print(bar_row(f"block {i}", token, p))
+    print(f"the next token: the model's top {k}")
     print("\n".join(bar_row("", token, p) for token, p in top_tokens(logits, k)))
     heads = "heads" if GROUP is None else f"rank 0's {N_HEADS // GROUP.size()} heads of {N_HEADS}"
     print("where the last token looks: each attention block's 3 heaviest tokens of the prompt "
@@ -1259,6 +1254,127 @@ def attention_looks(prompt_ids, blocks, cache, start=0):
         looks.append((i + 1, mx.softmax(scores, axis=-1).reshape(-1, S).mean(axis=0)))  # (S,)
     return looks
 
+def logit_lens(token_ids, written, cache, start=0, progress=False):
+    """The logit lens (nostalgebraist, 2020) over an answer. token_ids (the prompt, then the answer
+    but its last id) at positions start.. run once more, on a cache of their own that goes on from
+    cache as it was at start (cache itself is never written); at each of the last len(written)
+    positions, each block's output goes through the final RMSNorm and the LM head, as though the
+    model ended after that block -> top, p (blocks, len(written)): each block's likeliest next
+    token, and the probability it gives the token written there. Memory: the positions' ids and
+    cache, and one block's logits for a CHUNK of them at a time. progress: a line at a terminal."""
+    own = [None if c is None else c[:2] if deltanet(i) else (c[0][:, :start], c[1][:, :start])
+           for i, c in enumerate(cache)]  # (slices: this pass's writes make new buffers)
+    first, rows = len(token_ids) - len(written), [[] for _ in range(N_LAYERS)]  # first column
+    progress = progress and sys.stderr.isatty() and len(token_ids) > CHUNK  # a long pass
+    for i in range(0, len(token_ids), CHUNK):
+        ids, blocks = token_ids[i:i + CHUNK], []
+        forward(ids, own, start + i, blocks)                          # its logits never computed
+        at = max(first - i, 0)                                        # the chunk's first column
+        if at < len(ids):
+            wrote = mx.array(written[i + at - first:i + len(ids) - first])  # (C,) what was written
+            for b, (row, x) in enumerate(zip(rows, blocks), 1):
+                # Its own final norm: lm_head() normalises this block's x by its own size.
+                logits = lm_head(x[at:]).astype(mx.float32)           # (C, vocab)
+                chosen = mx.take_along_axis(logits, wrote[:, None], axis=-1)[:, 0]  # (C,)
+                p = mx.exp(chosen - mx.logsumexp(logits, axis=-1))    # (C,) softmax's, at wrote
+                row.append((mx.argmax(logits, axis=-1), p))
+                mx.eval(row[-1])                                      # all that is kept of them
+                if not mx.isfinite(p).all().item():
+                    raise not_finite(f"of block {b}'s logit lens", x.dtype)
+        mx.eval(own)
+        if progress:
+            print(f"\r[the logit lens: {i + len(ids)} of {len(token_ids)} positions]", end="",
+                  file=sys.stderr, flush=True)
+    print("\r\x1b[K" if progress else "", end="", file=sys.stderr, flush=True)
+    top = mx.stack([mx.concatenate([ids for ids, _ in row]) for row in rows])   # (blocks, n)
+    return top, mx.stack([mx.concatenate([p for _, p in row]) for row in rows])  # (blocks, n)
+
+# GPT-2's byte-level alphabet, which Qwen's tokenizer.json spells its tokens in: a byte that is a
+# printable Latin-1 character is itself, the others are chr(256), chr(257), ... in order.
+PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
+BYTE_OF = {chr(b): b for b in PRINTABLE} | {
+    chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in PRINTABLE)}
+SHADES = "▁▂▃▄▅▆▇█"  # a probability under 1/8, under 2/8, ..., 7/8 or more
+CELL = 7  # the terminal columns of a token's text in a cell of the picture
+
+def columns(char):  # the terminal columns a character takes: 2 if wide (CJK), 0 if it combines
+    if unicodedata.category(char) in ("Mn", "Me"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+def cell_text(token, width=CELL):
+    """A token's text in exactly width terminal columns: a space as ·, a newline as ↵, a part of a
+    UTF-8 character (or a character that prints nothing) as its bytes, <0xE4>; cut with …"""
+    spelt = TOK.id_to_token(token)  # None: a row of the LM head past the tokenizer's tokens
+    text = f"#{token}" if spelt is None else TOK.decode([token], skip_special_tokens=False)
+    if "\ufffd" in text:  # a piece of a character: the token's own bytes
+        text = bytes(BYTE_OF[c] for c in spelt).decode(errors="surrogateescape")
+    text = "".join("·" if c == " " else "↵" if c == "\n" else c if c.isprintable() else "".join(
+        f"<0x{b:02X}>" for b in c.encode(errors="surrogateescape")) for c in text)
+    room = width if sum(map(columns, text)) <= width else width - 1  # a cut one ends with …
+    shown, used = "", 0
+    for c in text:
+        if used + columns(c) > room:
+            break
+        shown, used = shown + c, used + columns(c)
+    if room < width:
+        shown, used = shown + "…", used + 1
+    return shown + " " * (width - used)
+
+def shade(p, colour):  # a probability -> a glyph, or a 256-colour grey background and its text
+    level = min(int(p * 8), 7)
+    return f"\x1b[48;5;{233 + 3 * level};38;5;{232 if level > 3 else 255}m " if colour else \
+        SHADES[level]
+
+def lens_picture(top, p, written, read, colour=False, width=80, first=1):
+    """The logit lens as lines of text, in panels of as many columns as fit width: a row per
+    block, the last on top; a cell per answer token (numbered from first): the block's likeliest
+    token, shaded by the probability it gave the token written, ✓ where it is that token; under
+    them, the token each column read. top, p: logit_lens()'s, as lists."""
+    label, end = len(f"block {N_LAYERS}") + 1, "\x1b[0m" if colour else ""
+    per = max(1, (width - label) // (CELL + 3))                       # columns in a panel
+    lines = []
+    for c0 in range(0, len(written), per):
+        cols = range(c0, min(c0 + per, len(written)))
+        if c0:
+            lines.append("")  # between panels
+        numbers = "".join(f" {first + j:<{CELL + 2}}" for j in cols)  # the answer's tokens
+        lines.append(f"{'token':<{label}}{numbers}".rstrip())
+        for b in reversed(range(N_LAYERS)):
+            lines.append(f"{f'block {b + 1}':<{label}}" + " ".join(
+                shade(p[b][j], colour) + cell_text(top[b][j])
+                + ("✓" if top[b][j] == written[j] else " ") + end for j in cols))
+        lines.append(f"{'read':<{label}}" + " ".join(f" {cell_text(read[j])} " for j in cols))
+    return lines
+
+def answer_forming(prompt_ids, generated, cache, start, args):
+    """--explain, after the answer: the logit lens over its last --lens-tokens tokens (0: all),
+    drawn. cache: as it was at start, before the prompt; generated: the answer's ids."""
+    n = min(args.lens_tokens or len(generated), len(generated))
+    token_ids, written = prompt_ids + generated[:-1], generated[len(generated) - n:]
+    window = f"its last {n} of {len(generated)} tokens; --lens-tokens 0: all" if n < len(
+        generated) else f"its {n} tokens"
+    print(f"the answer forming ({window}): the logit lens (nostalgebraist, 2020), each block's "
+          "likeliest next token had the model ended there: its output through the final norm and "
+          f"the LM head, {N_LAYERS} x {n} times, {N_LAYERS * n * D * len(W['lm_head.weight']):.1e} "
+          "multiply-adds", flush=True)
+    if not n:
+        return
+    top, p = logit_lens(token_ids, written, cache, start, progress=True)
+    top, p = top.tolist(), p.tolist()
+    colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get(
+        "TERM") != "dumb"  # else a glyph
+    ramp = "".join(shade(i / 8, colour) for i in range(8)) + ("\x1b[0m" if colour else "")
+    print(f"{ramp} the probability a block gives the token then written: under 1/8 .. 7/8 or "
+          "more; ✓ its likeliest token is that one; #id: a row of the LM head that is no token")
+    print("\n".join(lens_picture(top, p, written, token_ids[len(token_ids) - n:], colour,
+                                 shutil.get_terminal_size().columns, len(generated) - n + 1)))
+    flips = [len(generated) - n + j + 1 for j in range(n) if top[-1][j] != written[j]]
+    if args.temperature == 0 and flips:  # greedy: the top row is the answer, but for a near-tie
+        print(f"[note: at token {', '.join(map(str, flips))} the top row is not the answer: a "
+              "near-tie that this pass, summing in another order in "
+              f"{str(W['model.norm.weight'].dtype).split('.')[-1]}, broke the other way]")
+
 def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, chunk=CHUNK):
     """One completion: --explain or --show-probs, then the text as it comes (after echo) and the
     statistics (--quiet: the text alone) -> generated, the new ids, each added as it is printed.
@@ -1270,6 +1386,7 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
     if held + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
     blocks = [] if args.explain else None  # x after each block, for --explain
+    before = list(cache)  # as it is at start, for --explain's pass (the run writes cache)
     counts, tic = {}, time.perf_counter()  # counts: what --draft drafted and accepted
     mark, saved = keep or (start, None)  # the prompt in two parts, the cache kept between
     head, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
@@ -1306,9 +1423,15 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
         print(piece, end="", flush=True)
     if args.quiet:
         print(flush=True)
-        return generated
-    rate = print_stats(len(prompt_ids), len(generated), tic, t_first or time.perf_counter(), cache,
-                       held)
+    else:
+        print_all_stats(len(prompt_ids), generated, tic, t_first, cache, held, args, counts)
+    if args.explain:
+        answer_forming(prompt_ids, generated, before, start, args)
+    return generated
+
+def print_all_stats(n_prompt, generated, tic, t_first, cache, held, args, counts):
+    """reply()'s statistics: mlx_lm.generate's, --explain's memory line, what --draft did."""
+    rate = print_stats(n_prompt, len(generated), tic, t_first or time.perf_counter(), cache, held)
     if args.explain:  # the limit decoding works against: what the memory can move
         speed = bandwidth()
         print(f"Memory: this machine reads {speed / 1e9:.1f} GB/s (268 MB already in memory, "
@@ -1318,7 +1441,6 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
         share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
         print(f"Draft: {counts['drafted']} tokens drafted by {by}, {counts['accepted']} accepted"
               f"{share}", flush=True)
-    return generated
 
 def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
     return partial(sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -1534,6 +1656,8 @@ def parse_args(argv):
     add("--dtype", choices=["bfloat16", "float16", "float32"], help="none: the weights' own")
     add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
     add("--explain", action="store_true", help="the steps inside (chat: each turn's)")
+    add("--lens-tokens", type=int, default=64, metavar="N",
+        help="--explain's picture: the answer's last N tokens (0: all)")
     add("--quiet", "-q", action="store_true", help="print the completion only")
     add("--verbose", action="store_true", help="a chat at a terminal: each answer's statistics")
     args = ap.parse_args(argv)
@@ -1543,6 +1667,7 @@ def parse_args(argv):
               (args.top_k < 0, "--top-k must be 0 or more"),
               (not 0 <= args.min_p <= 1, "--min-p must be from 0 to 1"),
               (args.show_probs < 0, "--show-probs must be 0 or more"),
+              (args.lens_tokens < 0, "--lens-tokens must be 0 or more"),
               (args.batch_size < 1, "--batch-size must be at least 1"),
               (args.num_draft_tokens is not None and not args.draft,
                "--num-draft-tokens needs --draft"),

@@ -521,7 +521,7 @@ def overflowing(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("flags, where", [([], "after the prompt"), (["--show-probs", "3"], "after the prompt"),
-                                          (["--explain"], "after block 1")])
+                                          (["--explain"], "after the prompt")])
 def test_activations_that_overflow_float16(overflowing, flags, where):
     """In float32 the model runs; in float16 its numbers overflow. Today's line names where the
     logits went NaN or inf and the dtype; it used to print a run of token 0 ("!!!!")."""

@@ -176,36 +176,7 @@ def test_local_folder_never_downloads(tmp_path):
         assert "could not download" not in r.stderr
 
 
-# Issue 15: --explain, the logit lens, the KV cache's size.
-def test_lens_last_block_is_the_models_own_answer(checkpoint, tokenizer):
-    li.load(checkpoint())
-    ids = tokenizer.encode("The capital of France is").ids
-    hidden = []
-    li.prefill(ids, [None] * li.N_LAYERS, 0, hidden)
-    lens = li.logit_lens(hidden)
-    assert len(lens) == li.N_LAYERS and all(x.shape == (1, li.D) for x in hidden)
-    (token, p), *_ = li.top_tokens(li.prefill(ids, [None] * li.N_LAYERS), 5)  # --show-probs'
-    assert lens[-1][0] == token and lens[-1][1] == pytest.approx(p, abs=1e-5)
-
-
-@pytest.mark.parametrize("init", ["unit", "realistic"])
-def test_lens_after_block_i_by_hand(checkpoint, tokenizer, init):
-    """After block i: the first i blocks run through transformer_block, then the final norm
-    (model.norm.weight) and the LM head, softmax; the likeliest token and its probability."""
-    li.load(checkpoint(init=init, num_hidden_layers=4))
-    ids = tokenizer.encode("Once upon a time 😀").ids
-    hidden = []
-    li.prefill(ids, [None] * li.N_LAYERS, 0, hidden)
-    x, cache = li.W["model.embed_tokens.weight"][mx.array(ids)], [None] * li.N_LAYERS
-    rope = li.rope_tables(mx.arange(len(ids)), x.dtype)
-    visible = mx.arange(len(ids))[None, :] <= mx.arange(len(ids))[:, None]
-    for i, (token, p) in enumerate(li.logit_lens(hidden)):
-        x = li.transformer_block(x, i, cache, 0, rope, visible)
-        probs = mx.softmax(li.rms_norm(x[-1], li.W["model.norm.weight"], li.EPS) @ li.W["lm_head.weight"].T)
-        assert token == mx.argmax(probs).item() and p == pytest.approx(probs[token].item(), abs=1e-5)
-    assert len({token for token, _ in li.logit_lens(hidden)}) > 1  # the blocks change the answer
-
-
+# Issue 15: --explain, the KV cache's size (the logit lens: tests/test_lens.py).
 @pytest.mark.parametrize("stop", ["max_tokens", "eos"])
 def test_kv_cache_positions_and_bytes(checkpoint, tokenizer, capsys, stop):
     """generate() leaves the prompt and every id it yielded in the cache, whether it stopped at
@@ -237,14 +208,13 @@ def test_kv_cache_positions_and_bytes(checkpoint, tokenizer, capsys, stop):
 
 
 def explained(stdout):
-    """--explain's output -> (tokens line, embedding line, lens rows, table rows)."""
+    """--explain's output before the answer -> (tokens line, embedding line, table rows)."""
     lines = stdout.split("\n==========\n")[0].split("\nwhere the last token looks")[0]
     lines = lines.splitlines()[1:]  # after the model summary, before where the token looks
     tokens, embedding, heading, *rest = lines
-    lens = [line for line in rest if line.lstrip().startswith("block ")]
     assert tokens.startswith("tokens: ") and embedding.startswith("embedding: ")
-    assert heading.startswith("the answer forming")
-    return tokens, embedding, lens, [parse_row(row) for row in rest[len(lens):]]
+    assert heading.startswith("the next token: the model's top ")
+    return tokens, embedding, [parse_row(row) for row in rest]
 
 
 @pytest.mark.parametrize("prompt", ["The capital of France is", "a", "日本の首都 😀 🇫🇷\nnew line"])
@@ -253,13 +223,16 @@ def test_explain_end_to_end(checkpoint, tokenizer, prompt):
     ids = tokenizer.encode(prompt).ids
     r = run_cli("--model", str(folder), "--prompt", prompt, "--explain", "-m", "4")
     assert r.returncode == 0 and r.stderr == "", r.stderr
-    tokens, embedding, lens, table = explained(r.stdout)
+    tokens, embedding, table = explained(r.stdout)
     assert tokens == "tokens: " + ", ".join(f"{tokenizer.decode([t], skip_special_tokens=False)!r} {t}"
                                             for t in ids)
     assert embedding == f"embedding: ({len(ids)}, 64)"
-    assert len(lens) == 3 and len(table) == 5  # 3 blocks; 5 rows when --show-probs gives no K
-    last = re.fullmatch(r"\s*block 3 +(?P<text>'.*'|\".*\") (?P<p>\S+) *█*", lens[-1])
-    assert (ast.literal_eval(last["text"]), float(last["p"])) == pytest.approx(table[0], abs=5e-5)
+    assert len(table) == 5  # 5 rows when --show-probs gives no K
+    li.load(folder)
+    (token, _), = li.top_tokens(li.prefill(ids, [None] * li.N_LAYERS), 1)
+    assert table[0][0] == tokenizer.decode([token], skip_special_tokens=False)
+    grid = r.stdout.split("the answer forming")[1]  # the first column's top cell: that token
+    assert re.search(r"\nblock 3 .(.+?)✓", grid)[1] == li.cell_text(token)
     assert "\nKV cache: " in r.stdout and "==========\n" + prompt in r.stdout
     if prompt == "a":
         assert len(ids) == 1
@@ -268,7 +241,7 @@ def test_explain_end_to_end(checkpoint, tokenizer, prompt):
 def test_explain_with_show_probs_k_and_in_a_conversation(checkpoint, tokenizer):
     folder = checkpoint()
     r = run_cli("--model", str(folder), "--prompt", "Once", "--explain", "--show-probs", "3", "-m", "2")
-    assert r.returncode == 0 and len(explained(r.stdout)[3]) == 3
+    assert r.returncode == 0 and len(explained(r.stdout)[2]) == 3
     r = run_cli("--model", str(folder), "--chat", "--explain", "-m", "3", stdin=b"Hello there\nAnd Japan?\n")
     assert r.returncode == 0, r.stderr
     turns = r.stdout.split("[KV cache: ")[1:]

@@ -195,8 +195,8 @@ def test_command_line_plain_explain_and_memories(qwen35, tokenizer):
         "with): 4 layers, 3 of them Gated DeltaNet, hidden 64, 4 query / 2 KV heads x 32, ")
     text = plain.stdout.split("==========\n")[1]
     assert text.startswith("The capital of France is") and text in explained.stdout
-    lens = explained.stdout.split("where the last token looks")[0]
-    assert len(re.findall(r"\n +block \d ", lens)) == 4  # the lens: every layer
+    grid = explained.stdout.split("the answer forming")[1]
+    assert len(re.findall(r"\nblock \d ", grid)) == 4  # the logit lens: every layer
     li.load(folder)
     ids = tokenizer.encode("The capital of France is").ids
     held = len(ids) + len(list(li.generate(ids, max_tokens=6)))

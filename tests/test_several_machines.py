@@ -185,6 +185,19 @@ def test_greedy_text_is_one_processs_printed_once(model):
     assert "All-sums: " not in one.stdout and "(rank 0)" not in one.stdout
 
 
+def test_explain_runs_the_logit_lens_on_every_rank(model):
+    """--explain's extra pass runs on every rank (each holds part of each block: one alone would
+    wait on the others' sums for ever): one picture, printed once, of the same cells as one
+    process draws."""
+    from test_lens import parse_picture
+    args = ["--model", model, "-p", PROMPT, "-m", "6", "--explain"]
+    one = run_cli(*args)
+    r = launch(2, *args)
+    assert one.returncode == 0 and error_lines(r.stderr) == [], shown(r)
+    assert r.stdout.count("the answer forming") == 1, shown(r)
+    assert parse_picture(r.stdout)[1:4] == parse_picture(one.stdout)[1:4]
+
+
 def test_four_processes_give_one_processs_text(checkpoint):
     folder = checkpoint(num_key_value_heads=4, num_attention_heads=8)
     assert divisible(folder, 4)

@@ -1,0 +1,424 @@
+"""Issue 44: --explain's picture of the answer forming, the logit lens over every generated token:
+a row per block, a column per answer token, each cell that block's likeliest next token, shaded by
+the probability it gives the token written."""
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+import unicodedata
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.utils import load_model
+
+import llm_inference as li
+from conftest import build_tokenizer
+from test_cli_errors import ROOT, assert_error, run_cli
+from test_quantized import quantized  # noqa: F401 (a fixture)
+
+PROMPT = "The capital of France is"
+SHADES = "▁▂▃▄▅▆▇█"
+
+
+def lens_of(ids, n, cache=None, start=0):
+    """Greedy: n ids after ids, then logit_lens() over them -> (answer, top, p) as lists."""
+    cache = [None] * li.N_LAYERS if cache is None else cache
+    answer = list(li.generate(ids, n, cache=list(cache), start=start))
+    top, p = li.logit_lens(ids + answer[:-1], answer, cache, start)
+    return answer, top.tolist(), p.tolist()
+
+
+def by_hand(token_ids, written):
+    """Each block's output at the last len(written) positions, through lm_head() -> top, p."""
+    blocks = []
+    li.forward(token_ids, [None] * li.N_LAYERS, 0, blocks)
+    top, p = [], []
+    for x in blocks:
+        probs = mx.softmax(li.lm_head(x[len(token_ids) - len(written):]).astype(mx.float32), axis=-1)
+        top.append(mx.argmax(probs, axis=-1).tolist())
+        p.append(mx.take_along_axis(probs, mx.array(written)[:, None], axis=-1)[:, 0].tolist())
+    return top, p
+
+
+# ─── What the cells hold ───
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+def test_top_row_is_the_greedy_answer_in_float32(kind, checkpoint, qwen35, tokenizer):
+    li.load(checkpoint(init="wide") if kind == "qwen3" else qwen35())
+    ids = tokenizer.encode(PROMPT).ids
+    answer, top, _ = lens_of(ids, 24)
+    assert len(answer) == 24 and len(top) == li.N_LAYERS and top[-1] == answer
+    assert any(row != answer for row in top[:-1])  # the blocks below differ: a real picture
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+def test_each_cell_is_lm_head_of_that_blocks_output(kind, checkpoint, qwen35, tokenizer):
+    """A cell: argmax of lm_head(x after block b) at that position, and softmax's value at the
+    token written; lm_head() recomputes the final RMSNorm on that block's own x."""
+    li.load(checkpoint(init="realistic", num_hidden_layers=4) if kind == "qwen3" else qwen35())
+    ids = tokenizer.encode("Once upon a time 😀").ids
+    answer, top, p = lens_of(ids, 10)
+    ref_top, ref_p = by_hand(ids + answer[:-1], answer)
+    assert top == ref_top
+    assert np.allclose(p, ref_p, atol=1e-5)
+    norm = li.W["model.norm.weight"]
+    for b in range(li.N_LAYERS):  # by hand: the block's own mean square, not the last block's
+        blocks = []
+        li.forward(ids + answer[:-1], [None] * li.N_LAYERS, 0, blocks)
+        x = blocks[b][len(ids) - 1:].astype(mx.float32)
+        x = x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + li.EPS) * norm
+        assert mx.argmax(x @ li.W["lm_head.weight"].T, axis=-1).tolist() == top[b]
+
+
+def test_cells_against_mlx_lms_own_modules(checkpoint, tokenizer):
+    """mlx-lm's Qwen3 layers give the hidden states after each block; its norm and LM head give
+    the lens: the same tokens and probabilities as ours."""
+    folder = checkpoint(init="wide", lm_head="tied_stored")
+    li.load(folder)
+    ids = tokenizer.encode(PROMPT).ids
+    answer, top, p = lens_of(ids, 12)
+    model, _ = load_model(Path(folder))
+    h = model.model.embed_tokens(mx.array(ids + answer[:-1])[None])
+    mask = create_attention_mask(h, None)
+    for b, layer in enumerate(model.model.layers):
+        h = layer(h, mask, None)
+        logits = model.model.embed_tokens.as_linear(model.model.norm(h))[0, len(ids) - 1:]
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+        assert mx.argmax(probs, axis=-1).tolist() == top[b]
+        ref = mx.take_along_axis(probs, mx.array(answer)[:, None], axis=-1)[:, 0]
+        assert np.allclose(p[b], ref.tolist(), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+def test_in_chunks_and_after_a_cache_as_in_one_pass(kind, checkpoint, qwen35, tokenizer, monkeypatch):
+    """A pass of several chunks (the columns begin inside one), going on from a cache that holds
+    earlier text (a chat's next turn), gives what one pass over everything from 0 gives."""
+    li.load(checkpoint(init="wide") if kind == "qwen3" else qwen35())
+    context, ids = tokenizer.encode("Once upon a time").ids, tokenizer.encode(PROMPT).ids
+    answer, top, p = lens_of(context + ids, 9)
+    monkeypatch.setattr(li, "CHUNK", 4)
+    cache = [None] * li.N_LAYERS
+    li.prefill(context, cache)
+    mx.eval(cache)
+    top2, p2 = li.logit_lens(ids + answer[:-1], answer, cache, len(context))
+    assert top2.tolist() == top and np.allclose(p2.tolist(), p, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+def test_the_pass_leaves_the_cache_it_goes_on_from(kind, checkpoint, qwen35, tokenizer):
+    """The cache given holds room past start (a KV buffer of 256): the pass writes its own."""
+    li.load(checkpoint() if kind == "qwen3" else qwen35())
+    context, ids = tokenizer.encode("Once upon a time").ids, tokenizer.encode(PROMPT).ids
+    cache = [None] * li.N_LAYERS
+    li.prefill(context, cache)
+    mx.eval(cache)
+    before = [[np.array(a) for a in entry] for entry in cache]
+    li.logit_lens(ids + [5, 6], [7, 8, 9], cache, len(context))
+    after = [[np.array(a) for a in entry] for entry in cache]
+    assert all(np.array_equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+def test_reply_with_explain_leaves_the_runs_cache_as_without(kind, checkpoint, qwen35, tokenizer, capsys):
+    li.load(checkpoint() if kind == "qwen3" else qwen35())
+    ids = tokenizer.encode(PROMPT).ids
+    caches = []
+    for flags in (["-m", "6"], ["-m", "6", "--explain"]):
+        cache = [None] * li.N_LAYERS
+        generated = li.reply(ids, li.parse_args(flags), cache)
+        mx.eval(cache)
+        caches.append((generated, [[np.array(a) for a in entry] for entry in cache]))
+    (plain, plain_cache), (explained, explained_cache) = caches
+    assert plain == explained
+    assert all(np.array_equal(a, b) for x, y in zip(plain_cache, explained_cache) for a, b in zip(x, y))
+    assert "the answer forming" in capsys.readouterr().out
+
+
+def test_logits_that_are_not_finite_are_said(checkpoint, monkeypatch):
+    """The run's logits were finite; should a block's lens not be (an overflow), the pass stops
+    with not_finite()'s line, naming the block, not a picture of NaN."""
+    li.load(checkpoint())
+    calls, lm_head = [], li.lm_head
+
+    def overflowing(x):
+        calls.append(x)
+        return lm_head(x) * (mx.inf if len(calls) == 3 else 1)  # forward(), block 1, 2
+    monkeypatch.setattr(li, "lm_head", overflowing)
+    with pytest.raises(FloatingPointError, match="the logits of block 2's logit lens are not finite"):
+        li.logit_lens([5, 6, 7], [8, 9], [None] * li.N_LAYERS)
+
+
+def test_nothing_is_computed_without_explain(checkpoint, tokenizer, monkeypatch, capsys):
+    li.load(checkpoint())
+
+    def never(*args, **kwargs):
+        raise AssertionError("the lens ran")
+    monkeypatch.setattr(li, "logit_lens", never)
+    li.reply(tokenizer.encode(PROMPT).ids, li.parse_args(["-m", "4"]), [None] * li.N_LAYERS)
+    assert "the answer forming" not in capsys.readouterr().out
+
+
+def test_memory_is_linear_in_the_positions(checkpoint, monkeypatch):
+    """1,000 and 2,000 answer tokens on the tiny model, 64 positions a chunk: the peak grows by no
+    more than 3 copies of the KV cache (its buffer grows by concatenation) and the two numbers
+    kept per cell, a position; all the logits at once (blocks x positions x vocabulary, 7.7 KB a
+    position here, 15 MB at 2,000) would exceed it."""
+    li.load(checkpoint())
+    monkeypatch.setattr(li, "CHUNK", 64)
+    mx.eval(li.W)
+    peaks = {}
+    for n in (1000, 2000):
+        written = np.random.default_rng(0).integers(0, 400, n).tolist()
+        mx.synchronize()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        top, p = li.logit_lens([5, 6, 7] + written[:-1], written, [None] * li.N_LAYERS)
+        assert top.shape == p.shape == (li.N_LAYERS, n)
+        del top, p
+        peaks[n] = mx.get_peak_memory() - base
+    vocab = li.W["lm_head.weight"].shape[0]
+    per_position = 3 * li.N_LAYERS * 2 * li.N_KV * li.D_HEAD * 4 + li.N_LAYERS * 16
+    assert peaks[2000] - peaks[1000] <= 1000 * per_position, peaks
+    assert peaks[2000] <= 2000 * per_position + 8 * 64 * vocab * 4, peaks
+    assert li.N_LAYERS * vocab * 4 > 1.5 * per_position  # the bound tells all the logits apart
+
+
+# ─── The picture ───
+
+def width(text):
+    return sum(0 if unicodedata.category(c) in ("Mn", "Me") else
+               2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
+
+
+def split_cells(body):
+    """A row's cells, by display columns: a character, 7 columns of text, a character; a space
+    between cells -> [(first, text, last)]."""
+    cells, i = [], 0
+    while i < len(body):
+        j = i + 1
+        while width(body[i + 1:j]) < li.CELL or j < len(body) and width(body[j]) == 0:
+            j += 1
+        assert width(body[i + 1:j]) == li.CELL and body[j + 1:j + 2] in ("", " "), body
+        cells.append((body[i], body[i + 1:j], body[j]))
+        i = j + 2
+    return cells
+
+
+def parse_picture(stdout):
+    """--explain's picture, without colour codes -> (heading, numbers, {block: [(glyph, text,
+    marked)]}, read [text], the lines after it)."""
+    head, rest = ("the answer forming" + stdout.split("the answer forming", 1)[1]).split("\n", 1)
+    legend, *lines = rest.split("\n")
+    assert legend.startswith("▁▂▃▄▅▆▇█ ")
+    numbers, rows, read, after = [], {}, [], []
+    for line in lines:
+        label, body = line[:li.CELL + 2].rstrip(), line[len(f"block {li.N_LAYERS}") + 1:]
+        if line.startswith("token "):
+            numbers += [int(n) for n in body.split()]
+        elif line.startswith("block "):
+            cells = split_cells(body)
+            assert all(mark in " ✓" for _, _, mark in cells)
+            rows.setdefault(int(label.split()[1]), []).extend(
+                (glyph, text, mark == "✓") for glyph, text, mark in cells)
+        elif line.startswith("read "):
+            read += [text for _, text, _ in split_cells(body)]
+        elif line.strip():
+            after.append(line)
+    return head, numbers, rows, read, after
+
+
+@pytest.fixture
+def odd_tokens(checkpoint, monkeypatch):
+    """The tiny model with added tokens that show the cell rules -> {text: id}."""
+    li.load(checkpoint())
+    tok = build_tokenizer()
+    tok.add_tokens(["日本の首都です", "日本", "e\u0301x"])
+    monkeypatch.setattr(li, "TOK", tok)
+    ids = {text: tok.token_to_id(text) for text in ["日本の首都です", "日本", "e\u0301x", "<|endoftext|>"]}
+    ids.update({" is": tok.encode(" is").ids[0], "\n": tok.encode("\n").ids[0],
+                "\t": tok.encode("\t").ids[0], "half": tok.encode("日").ids[0],
+                "none": li.W["lm_head.weight"].shape[0] - 1})
+    assert len(tok.encode(" is").ids) == 1 and tok.id_to_token(ids["none"]) is None
+    assert tok.decode([ids["half"]]) == "\ufffd"  # part of 日 (e6 97 a5)
+    return ids
+
+
+CELLS = {" is": "·is    ", "\n": "↵      ", "\t": "<0x09> ", "日本の首都です": "日本の…",
+         "日本": "日本   ", "e\u0301x": "e\u0301x     ", "<|endoftext|>": "<|endo…"}
+
+
+def test_cell_rules(odd_tokens):
+    for text, shown in CELLS.items():
+        assert li.cell_text(odd_tokens[text]) == shown and width(shown) == li.CELL
+    half = li.TOK.id_to_token(odd_tokens["half"])  # its bytes, as the byte-level alphabet spells them
+    assert li.cell_text(odd_tokens["half"]) == "<0xE6>…" and len(half) == 2
+    assert li.cell_text(odd_tokens["none"]) == f"#{odd_tokens['none']}".ljust(li.CELL)
+    assert [li.shade(p, False) for p in (0, 0.124, 0.125, 0.5, 0.874, 0.875, 1.0)] == list("▁▁▂▅▇██")
+
+
+@pytest.mark.parametrize("columns", [30, 55, 80, 200])
+def test_picture_parses_back_to_its_cells_and_fits_the_width(odd_tokens, columns):
+    tokens = list(odd_tokens.values())
+    n = 11
+    top = [[tokens[(b + j) % len(tokens)] for j in range(n)] for b in range(li.N_LAYERS)]
+    p = [[((b * 7 + j * 3) % 17) / 16 for j in range(n)] for b in range(li.N_LAYERS)]
+    written = [tokens[(li.N_LAYERS - 1 + j) % len(tokens)] if j % 3 else tokens[0] for j in range(n)]
+    read = [tokens[j % len(tokens)] for j in range(n)]
+    lines = li.lens_picture(top, p, written, read, False, columns, first=5)
+    assert all(width(line) <= max(columns, 8 + 10) for line in lines)
+    per = max(1, (columns - 8) // 10)
+    assert sum(line.startswith("token") for line in lines) == -(-n // per)  # panels
+    _, numbers, rows, shown_read, _ = parse_picture("the answer forming\n" + SHADES + " x\n" + "\n".join(lines))
+    assert numbers == list(range(5, 5 + n))
+    assert sorted(rows) == list(range(1, li.N_LAYERS + 1))
+    assert [line.split()[0:2] for line in lines if line.startswith("block")][:li.N_LAYERS] == \
+        [["block", str(b)] for b in range(li.N_LAYERS, 0, -1)]  # the last block on top
+    for b in range(li.N_LAYERS):
+        assert rows[b + 1] == [(SHADES[min(int(p[b][j] * 8), 7)], li.cell_text(top[b][j]),
+                                top[b][j] == written[j]) for j in range(n)]
+    assert shown_read == [li.cell_text(t) for t in read]
+
+
+def test_the_command_line_draws_the_grid(checkpoint, tokenizer):
+    """Through a pipe, 80 columns (COLUMNS unset): glyphs, no colour codes; greedy in float32, so
+    the top row is the answer, every cell marked; the first column read the prompt's last token."""
+    folder = checkpoint(init="wide")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    r = subprocess.run([sys.executable, str(ROOT / "llm_inference.py"), "--model", str(folder),
+                        "-p", PROMPT, "-m", "12", "--explain"], capture_output=True, text=True,
+                       env=dict(env, PYTHONIOENCODING="utf-8"), timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    head, numbers, rows, read, after = parse_picture(r.stdout)
+    assert "(its 12 tokens)" in head and numbers == list(range(1, 13)) and after == []
+    assert all(len(cells) == 12 for cells in rows.values())
+    assert all(marked for _, _, marked in rows[li.N_LAYERS])
+    li.load(folder)
+    assert read[0] == li.cell_text(tokenizer.encode(PROMPT).ids[-1])
+    picture = r.stdout.split("the answer forming")[1].splitlines()[2:]
+    assert all(width(line) <= 80 for line in picture) and max(map(width, picture)) > 70
+    assert "\x1b[" not in r.stdout
+
+
+def test_sampled_answer_is_the_one_drawn(checkpoint, tokenizer):
+    """At a temperature above 0 the grid is of the answer sampled: each column read the token the
+    column before it wrote, and the top row's marks agree with lm_head() by hand."""
+    folder = checkpoint(init="wide")
+    r = run_cli("--model", str(folder), "-p", PROMPT, "-m", "10", "--explain", "--temp", "1.5",
+                "--seed", "7", "--lens-tokens", "0")
+    assert r.returncode == 0, r.stderr
+    li.load(folder)
+    ids = tokenizer.encode(PROMPT).ids
+    mx.random.seed(7)
+    answer = list(li.generate(ids, 10, li.sampler_of(li.parse_args(["--temp", "1.5"]))))
+    assert li.TOK.decode(answer) in r.stdout
+    _, _, rows, read, _ = parse_picture(r.stdout)
+    ref_top, ref_p = by_hand(ids + answer[:-1], answer)
+    assert read == [li.cell_text(t) for t in (ids + answer)[len(ids) - 1:-1]]
+    for b in range(li.N_LAYERS):
+        assert rows[b + 1] == [(SHADES[min(int(ref_p[b][j] * 8), 7)], li.cell_text(ref_top[b][j]),
+                                ref_top[b][j] == answer[j]) for j in range(10)]
+    assert any(not marked for _, _, marked in rows[li.N_LAYERS])  # sampled: not always the top
+
+
+def test_window_of_the_last_tokens_and_its_flag(checkpoint):
+    folder = str(checkpoint(init="wide"))
+    whole = run_cli("--model", folder, "-m", "10", "--explain", "--lens-tokens", "0")
+    window = run_cli("--model", folder, "-m", "10", "--explain", "--lens-tokens", "4")
+    assert whole.returncode == window.returncode == 0, window.stderr
+    head, numbers, rows, read, _ = parse_picture(window.stdout)
+    _, _, all_rows, all_read, _ = parse_picture(whole.stdout)
+    assert "(its last 4 of 10 tokens; --lens-tokens 0: all)" in head and numbers == [7, 8, 9, 10]
+    assert rows == {b: cells[6:] for b, cells in all_rows.items()} and read == all_read[6:]
+    assert_error(run_cli("--model", folder, "--explain", "--lens-tokens", "-1"),
+                 "--lens-tokens must be 0 or more")
+
+
+def test_default_window_is_64(checkpoint, monkeypatch):
+    assert li.parse_args([]).lens_tokens == 64
+
+
+def pty_run(*args, env=None):
+    """The CLI with a pseudo-terminal as stdout and stderr -> what the screen got."""
+    leader, follower = pty.openpty()
+    env = {**{k: v for k, v in os.environ.items() if k != "NO_COLOR"}, "PYTHONIOENCODING": "utf-8",
+           "TERM": "xterm", **(env or {})}
+    p = subprocess.Popen([sys.executable, str(ROOT / "llm_inference.py"), *args], stdin=subprocess.DEVNULL,
+                         stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    seen, deadline = b"", time.time() + 120
+    while time.time() < deadline:
+        if select.select([leader], [], [], 1)[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+        elif p.poll() is not None:
+            break
+    p.wait(timeout=10)
+    os.close(leader)
+    assert p.returncode == 0, seen
+    return seen.decode().replace("\r\n", "\n")
+
+
+def test_colour_at_a_terminal_glyphs_with_no_color_or_a_dumb_one(checkpoint):
+    folder = str(checkpoint(init="wide"))
+    flags = ["--model", folder, "-m", "6", "--explain"]
+    coloured = pty_run(*flags, env={"COLUMNS": "70"})
+    piped = run_cli(*flags).stdout
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", coloured)
+    assert "\x1b[48;5;" in coloured and not set(SHADES) & set(plain.split("the answer forming")[1])
+    _, _, rows, read, _ = parse_picture(piped)
+    for b, cells in rows.items():  # the same cells; the shade as a grey level, 233 + 3 x glyph's
+        line = next(line for line in coloured.split("\n") if line.startswith(f"block {b} "))
+        greys = [int(g) for g in re.findall(r"\x1b\[48;5;(\d+);", line)]
+        assert greys == [233 + 3 * SHADES.index(glyph) for glyph, _, _ in cells]
+    for env in ({"NO_COLOR": "1"}, {"TERM": "dumb"}):
+        shown = pty_run(*flags, env=env)
+        assert "\x1b[" not in shown
+        assert parse_picture(shown)[2] == rows
+
+
+def test_progress_at_a_terminal_when_long(checkpoint):
+    folder = str(checkpoint())
+    long_prompt = " ".join(["The capital of France is Paris."] * 120)
+    shown = pty_run("--model", folder, "-p", long_prompt, "-m", "2", "--explain")
+    assert re.search(r"\r\[the logit lens: 512 of \d+ positions\]", shown)
+    assert "\r\x1b[K" in shown
+
+
+@pytest.mark.parametrize("kind", ["qwen35", "quantized"])
+def test_qwen35_and_a_quantised_folder(kind, qwen35, quantized):  # noqa: F811
+    folder = qwen35() if kind == "qwen35" else quantized("4bit-g64-untied")
+    r = run_cli("--model", str(folder), "-m", "8", "--explain")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    li.load(folder)
+    head, numbers, rows, _, after = parse_picture(r.stdout)
+    assert sorted(rows) == list(range(1, li.N_LAYERS + 1)) and numbers == list(range(1, 9))
+    unmarked = [j + 1 for j, (_, _, marked) in enumerate(rows[li.N_LAYERS]) if not marked]
+    if kind == "qwen35":  # float32: the top row is the answer
+        assert unmarked == [] and after == []
+    else:  # bfloat16: a near-tie may flip, and is said
+        assert after == ([f"[note: at token {', '.join(map(str, unmarked))} the top row is not the "
+                          "answer: a near-tie that this pass, summing in another order in bfloat16, "
+                          "broke the other way]"] if unmarked else [])
+
+
+def test_each_chat_turn_draws_its_answers_grid(checkpoint, tokenizer):
+    folder = str(checkpoint(init="wide"))
+    r = run_cli("--model", folder, "--chat", "--explain", "-m", "5", stdin=b"Hello there\nAnd Japan?\n")
+    assert r.returncode == 0, r.stderr
+    turns = r.stdout.split("[KV cache: ")[1:]
+    assert len(turns) == 2
+    for turn in turns:
+        _, numbers, rows, _, _ = parse_picture(turn)
+        assert numbers == list(range(1, len(rows[li.N_LAYERS]) + 1))
+        assert all(marked for _, _, marked in rows[li.N_LAYERS])  # float32, greedy
