@@ -1262,8 +1262,10 @@ def logit_lens(token_ids, written, cache, start=0, progress=False):
     model ended after that block -> top, p (blocks, len(written)): each block's likeliest next
     token, and the probability it gives the token written there. Memory: the positions' ids and
     cache, and one block's logits for a CHUNK of them at a time. progress: a line at a terminal."""
+    # Keys and values cut at start: the first write past it grows them into new buffers, and so
+    # never lands in the run's. A DeltaNet's notes are new arrays at every token.
     own = [None if c is None else c[:2] if deltanet(i) else (c[0][:, :start], c[1][:, :start])
-           for i, c in enumerate(cache)]  # (slices: this pass's writes make new buffers)
+           for i, c in enumerate(cache)]
     first, rows = len(token_ids) - len(written), [[] for _ in range(N_LAYERS)]  # first column
     progress = progress and sys.stderr.isatty() and len(token_ids) > CHUNK  # a long pass
     for i in range(0, len(token_ids), CHUNK):
@@ -1312,19 +1314,20 @@ def cell_text(token, width=CELL):
     text = "".join("·" if c == " " else "↵" if c == "\n" else c if c.isprintable() else "".join(
         f"<0x{b:02X}>" for b in c.encode(errors="surrogateescape")) for c in text)
     room = width if sum(map(columns, text)) <= width else width - 1  # a cut one ends with …
-    shown, used = "", 0
+    kept, used = "", 0
     for c in text:
         if used + columns(c) > room:
             break
-        shown, used = shown + c, used + columns(c)
+        kept, used = kept + c, used + columns(c)
     if room < width:
-        shown, used = shown + "…", used + 1
-    return shown + " " * (width - used)
+        kept, used = kept + "…", used + 1
+    return kept + " " * (width - used)
 
 def shade(p, colour):  # a probability -> a glyph, or a 256-colour grey background and its text
     level = min(int(p * 8), 7)
-    return f"\x1b[48;5;{233 + 3 * level};38;5;{232 if level > 3 else 255}m " if colour else \
-        SHADES[level]
+    if colour:  # (a cell's text then goes on in this colour, until "\x1b[0m")
+        return f"\x1b[48;5;{233 + 3 * level};38;5;{232 if level > 3 else 255}m "
+    return SHADES[level]
 
 def lens_picture(top, p, written, read, colour=False, width=80, first=1):
     """The logit lens as lines of text, in panels of as many columns as fit width: a row per
@@ -1350,26 +1353,25 @@ def lens_picture(top, p, written, read, colour=False, width=80, first=1):
 def answer_forming(prompt_ids, generated, cache, start, args):
     """--explain, after the answer: the logit lens over its last --lens-tokens tokens (0: all),
     drawn. cache: as it was at start, before the prompt; generated: the answer's ids."""
-    n = min(args.lens_tokens or len(generated), len(generated))
-    token_ids, written = prompt_ids + generated[:-1], generated[len(generated) - n:]
-    window = f"its last {n} of {len(generated)} tokens; --lens-tokens 0: all" if n < len(
-        generated) else f"its {n} tokens"
-    print(f"the answer forming ({window}): the logit lens (nostalgebraist, 2020), each block's "
-          "likeliest next token had the model ended there: its output through the final norm and "
-          f"the LM head, {N_LAYERS} x {n} times, {N_LAYERS * n * D * len(W['lm_head.weight']):.1e} "
-          "multiply-adds", flush=True)
-    if not n:
+    if not generated:
+        print("the answer forming: no token was written (the first was an end-of-sequence id)")
         return
-    top, p = logit_lens(token_ids, written, cache, start, progress=True)
+    n = min(args.lens_tokens or len(generated), len(generated))      # the columns drawn
+    before, token_ids = len(generated) - n, prompt_ids + generated[:-1]  # (the last is not read)
+    print("the answer forming: each block's likeliest next token, had the model ended there\n"
+          f"(the logit lens, nostalgebraist 2020; {N_LAYERS} x {n} LM heads, "
+          f"{N_LAYERS * n * D * len(W['lm_head.weight']):.1e} multiply-adds)", flush=True)
+    if before:
+        print(f"[the answer's last {n} tokens of {len(generated)}; --lens-tokens 0: all of them]")
+    top, p = logit_lens(token_ids, generated[before:], cache, start, progress=True)
     top, p = top.tolist(), p.tolist()
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get(
         "TERM") != "dumb"  # else a glyph
     ramp = "".join(shade(i / 8, colour) for i in range(8)) + ("\x1b[0m" if colour else "")
-    print(f"{ramp} the probability a block gives the token then written: under 1/8 .. 7/8 or "
-          "more; ✓ its likeliest token is that one; #id: a row of the LM head that is no token")
-    print("\n".join(lens_picture(top, p, written, token_ids[len(token_ids) - n:], colour,
-                                 shutil.get_terminal_size().columns, len(generated) - n + 1)))
-    flips = [len(generated) - n + j + 1 for j in range(n) if top[-1][j] != written[j]]
+    print(f"{ramp} how likely the block found the token written, <1/8..7/8+; ✓ the same token")
+    print("\n".join(lens_picture(top, p, generated[before:], token_ids[len(token_ids) - n:],
+                                 colour, shutil.get_terminal_size().columns, before + 1)))
+    flips = [before + j + 1 for j in range(n) if top[-1][j] != generated[before + j]]
     if args.temperature == 0 and flips:  # greedy: the top row is the answer, but for a near-tie
         print(f"[note: at token {', '.join(map(str, flips))} the top row is not the answer: a "
               "near-tie that this pass, summing in another order in "
@@ -1424,23 +1426,20 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
     if args.quiet:
         print(flush=True)
     else:
-        print_all_stats(len(prompt_ids), generated, tic, t_first, cache, held, args, counts)
-    if args.explain:
-        answer_forming(prompt_ids, generated, before, start, args)
-    return generated
-
-def print_all_stats(n_prompt, generated, tic, t_first, cache, held, args, counts):
-    """reply()'s statistics: mlx_lm.generate's, --explain's memory line, what --draft did."""
-    rate = print_stats(n_prompt, len(generated), tic, t_first or time.perf_counter(), cache, held)
-    if args.explain:  # the limit decoding works against: what the memory can move
+        rate = print_stats(len(prompt_ids), len(generated), tic, t_first or time.perf_counter(),
+                           cache, held)
+    if args.explain and not args.quiet:  # the limit decoding works against: what memory moves
         speed = bandwidth()
         print(f"Memory: this machine reads {speed / 1e9:.1f} GB/s (268 MB already in memory, "
               f"the best of 5): decoding read {100 * rate / speed:.1f}% of it", flush=True)
-    if args.draft:  # after mlx-lm's lines: what drafting did
+    if args.draft and not args.quiet:  # after mlx-lm's lines: what drafting did
         by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
         share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
         print(f"Draft: {counts['drafted']} tokens drafted by {by}, {counts['accepted']} accepted"
               f"{share}", flush=True)
+    if args.explain:  # the answer forming, after it (the statistics are the run's alone)
+        answer_forming(prompt_ids, generated, before, start, args)
+    return generated
 
 def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
     return partial(sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -154,6 +154,23 @@ def test_logits_that_are_not_finite_are_said(checkpoint, monkeypatch):
         li.logit_lens([5, 6, 7], [8, 9], [None] * li.N_LAYERS)
 
 
+def test_an_answer_of_one_token_and_of_none(checkpoint, tokenizer):
+    """One token: one column, read from the prompt's last. None (the first was an EOS id): a line
+    says so, and no picture."""
+    folder = checkpoint(init="wide")
+    li.load(folder)
+    ids = tokenizer.encode(PROMPT).ids
+    first = next(li.generate(ids, 1))
+    one = run_cli("--model", str(folder), "-m", "1", "--explain")
+    _, numbers, rows, read, _ = parse_picture(one.stdout)
+    assert numbers == [1] and read == [li.cell_text(ids[-1])]
+    assert rows[li.N_LAYERS] == [(rows[li.N_LAYERS][0][0], li.cell_text(first), True)]
+    none = run_cli("--model", str(checkpoint(init="wide", eos_extra=[first])), "-m", "4", "--explain")
+    assert none.returncode == 0 and none.stderr == "", none.stderr
+    assert none.stdout.endswith("the answer forming: no token was written (the first was an "
+                                "end-of-sequence id)\n")
+
+
 def test_nothing_is_computed_without_explain(checkpoint, tokenizer, monkeypatch, capsys):
     li.load(checkpoint())
 
@@ -213,9 +230,9 @@ def split_cells(body):
 def parse_picture(stdout):
     """--explain's picture, without colour codes -> (heading, numbers, {block: [(glyph, text,
     marked)]}, read [text], the lines after it)."""
-    head, rest = ("the answer forming" + stdout.split("the answer forming", 1)[1]).split("\n", 1)
+    head, rest = stdout.split("the answer forming", 1)[1].split("\n▁▂▃▄▅▆▇█ ", 1)  # the legend
+    head = "the answer forming" + head
     legend, *lines = rest.split("\n")
-    assert legend.startswith("▁▂▃▄▅▆▇█ ")
     numbers, rows, read, after = [], {}, [], []
     for line in lines:
         label, body = line[:li.CELL + 2].rstrip(), line[len(f"block {li.N_LAYERS}") + 1:]
@@ -295,13 +312,13 @@ def test_the_command_line_draws_the_grid(checkpoint, tokenizer):
                        env=dict(env, PYTHONIOENCODING="utf-8"), timeout=120)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     head, numbers, rows, read, after = parse_picture(r.stdout)
-    assert "(its 12 tokens)" in head and numbers == list(range(1, 13)) and after == []
+    assert "3 x 12 LM heads" in head and "last" not in head and numbers == list(range(1, 13)) and after == []
     assert all(len(cells) == 12 for cells in rows.values())
     assert all(marked for _, _, marked in rows[li.N_LAYERS])
     li.load(folder)
     assert read[0] == li.cell_text(tokenizer.encode(PROMPT).ids[-1])
-    picture = r.stdout.split("the answer forming")[1].splitlines()[2:]
-    assert all(width(line) <= 80 for line in picture) and max(map(width, picture)) > 70
+    picture = r.stdout.split("the answer forming")[1].splitlines()[3:]  # the panels
+    assert picture[0].startswith("token ") and max(map(width, picture)) in range(71, 81)
     assert "\x1b[" not in r.stdout
 
 
@@ -333,7 +350,7 @@ def test_window_of_the_last_tokens_and_its_flag(checkpoint):
     assert whole.returncode == window.returncode == 0, window.stderr
     head, numbers, rows, read, _ = parse_picture(window.stdout)
     _, _, all_rows, all_read, _ = parse_picture(whole.stdout)
-    assert "(its last 4 of 10 tokens; --lens-tokens 0: all)" in head and numbers == [7, 8, 9, 10]
+    assert "[the answer's last 4 tokens of 10; --lens-tokens 0: all of them]" in head and numbers == [7, 8, 9, 10]
     assert rows == {b: cells[6:] for b, cells in all_rows.items()} and read == all_read[6:]
     assert_error(run_cli("--model", folder, "--explain", "--lens-tokens", "-1"),
                  "--lens-tokens must be 0 or more")
