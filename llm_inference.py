@@ -1254,42 +1254,47 @@ def attention_looks(prompt_ids, blocks, cache, start=0):
         looks.append((i + 1, mx.softmax(scores, axis=-1).reshape(-1, S).mean(axis=0)))  # (S,)
     return looks
 
-def logit_lens(token_ids, written, cache, start=0, progress=False):
+def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
     """The logit lens (nostalgebraist, 2020) over an answer. token_ids (the prompt, then the answer
     but its last id) at positions start.. run once more, on a cache of their own that goes on from
     cache as it was at start (cache itself is never written); at each of the last len(written)
     positions, each block's output goes through the final RMSNorm and the LM head, as though the
-    model ended after that block -> top, p (blocks, len(written)): each block's likeliest next
-    token, and the probability it gives the token written there. Memory: the positions' ids and
-    cache, and one block's logits for a CHUNK of them at a time. progress: a line at a terminal."""
+    model ended after that block -> top, p, p_top (blocks, len(written)): each block's likeliest
+    next token, the probability it gives the token written there, and its top one's. Memory: the
+    positions' ids and cache, and one block's logits for a chunk of them at a time. progress: a
+    line on stderr at a terminal, taken away on every way out."""
+    first = len(token_ids) - len(written)                             # the first column's place
+    if first < 0:
+        raise ValueError(f"{len(written)} ids written after {len(token_ids)} positions")
     # Keys and values cut at start: the first write past it grows them into new buffers, and so
     # never lands in the run's. A DeltaNet's notes are new arrays at every token.
     own = [None if c is None else c[:2] if deltanet(i) else (c[0][:, :start], c[1][:, :start])
            for i, c in enumerate(cache)]
-    first, rows = len(token_ids) - len(written), [[] for _ in range(N_LAYERS)]  # first column
-    progress = progress and sys.stderr.isatty() and len(token_ids) > CHUNK  # a long pass
-    for i in range(0, len(token_ids), CHUNK):
-        ids, blocks = token_ids[i:i + CHUNK], []
-        forward(ids, own, start + i, blocks)                          # its logits never computed
-        at = max(first - i, 0)                                        # the chunk's first column
-        if at < len(ids):
-            wrote = mx.array(written[i + at - first:i + len(ids) - first])  # (C,) what was written
-            for b, (row, x) in enumerate(zip(rows, blocks), 1):
+    rows = [[(mx.zeros(0, mx.uint32), mx.zeros(0), mx.zeros(0))] for _ in range(N_LAYERS)]
+    progress = progress and sys.stderr.isatty()
+    try:
+        for i in range(0, len(token_ids), chunk):
+            ids, blocks = token_ids[i:i + chunk], []
+            forward(ids, own, start + i, blocks)                      # its logits never computed
+            at = max(first - i, 0)                                    # the chunk's first column
+            wrote = mx.array(written[i + at - first:i + len(ids) - first] or [0])  # (C,)
+            for b, (row, x) in enumerate(zip(rows, blocks if at < len(ids) else []), 1):
                 # Its own final norm: lm_head() normalises this block's x by its own size.
                 logits = lm_head(x[at:]).astype(mx.float32)           # (C, vocab)
+                lse = mx.logsumexp(logits, axis=-1)                   # (C,) softmax's divisor
                 chosen = mx.take_along_axis(logits, wrote[:, None], axis=-1)[:, 0]  # (C,)
-                p = mx.exp(chosen - mx.logsumexp(logits, axis=-1))    # (C,) softmax's, at wrote
-                row.append((mx.argmax(logits, axis=-1), p))
+                row.append((mx.argmax(logits, axis=-1), mx.exp(chosen - lse),
+                             mx.exp(logits.max(axis=-1) - lse)))     # (C,) each
                 mx.eval(row[-1])                                      # all that is kept of them
-                if not mx.isfinite(p).all().item():
+                if not mx.isfinite(row[-1][1]).all().item():
                     raise not_finite(f"of block {b}'s logit lens", x.dtype)
-        mx.eval(own)
-        if progress:
-            print(f"\r[the logit lens: {i + len(ids)} of {len(token_ids)} positions]", end="",
-                  file=sys.stderr, flush=True)
-    print("\r\x1b[K" if progress else "", end="", file=sys.stderr, flush=True)
-    top = mx.stack([mx.concatenate([ids for ids, _ in row]) for row in rows])   # (blocks, n)
-    return top, mx.stack([mx.concatenate([p for _, p in row]) for row in rows])  # (blocks, n)
+                if progress:
+                    print(f"\r[the logit lens: positions {i + len(ids)} of {len(token_ids)}, "
+                          f"block {b} of {N_LAYERS}]", end="", file=sys.stderr, flush=True)
+            mx.eval(own)
+    finally:  # the line blanked (spaces: a dumb terminal has no codes to clear it)
+        print(f"\r{' ' * 79}\r" if progress else "", end="", file=sys.stderr, flush=True)
+    return [mx.stack([mx.concatenate([r[k] for r in row]) for row in rows]) for k in range(3)]
 
 # GPT-2's byte-level alphabet, which Qwen's tokenizer.json spells its tokens in: a byte that is a
 # printable Latin-1 character is itself, the others are chr(256), chr(257), ... in order.
@@ -1299,26 +1304,31 @@ BYTE_OF = {chr(b): b for b in PRINTABLE} | {
 SHADES = "▁▂▃▄▅▆▇█"  # a probability under 1/8, under 2/8, ..., 7/8 or more
 CELL = 7  # the terminal columns of a token's text in a cell of the picture
 
-def columns(char):  # the terminal columns a character takes: 2 if wide (CJK), 0 if it combines
-    if unicodedata.category(char) in ("Mn", "Me"):
-        return 0
-    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
-
 def cell_text(token, width=CELL):
-    """A token's text in exactly width terminal columns: a space as ·, a newline as ↵, a part of a
-    UTF-8 character (or a character that prints nothing) as its bytes, <0xE4>; cut with …"""
+    """A token's text in exactly width terminal columns: a space as ·, a newline as ↵, a wide
+    character in two, a part of a UTF-8 character as its bytes (<0xE4>), a whole one that prints
+    nothing as its code point (U+00A0); a longer text is cut with … between characters."""
     spelt = TOK.id_to_token(token)  # None: a row of the LM head past the tokenizer's tokens
     text = f"#{token}" if spelt is None else TOK.decode([token], skip_special_tokens=False)
-    if "\ufffd" in text:  # a piece of a character: the token's own bytes
+    if "\ufffd" in text and all(c in BYTE_OF for c in spelt):  # a piece of a character
         text = bytes(BYTE_OF[c] for c in spelt).decode(errors="surrogateescape")
-    text = "".join("·" if c == " " else "↵" if c == "\n" else c if c.isprintable() else "".join(
-        f"<0x{b:02X}>" for b in c.encode(errors="surrogateescape")) for c in text)
-    room = width if sum(map(columns, text)) <= width else width - 1  # a cut one ends with …
-    kept, used = "", 0
+    parts = []  # [what shows, its columns]: a character with the marks on it, or a stand-in
     for c in text:
-        if used + columns(c) > room:
+        if "\udc80" <= c <= "\udcff":  # a byte that is no whole character (surrogateescape's)
+            parts.append([f"<0x{ord(c) - 0xDC00:02X}>", 6])
+        elif parts and unicodedata.category(c) in ("Mn", "Me"):  # a mark on the one before
+            parts[-1] = [parts[-1][0] + c, max(parts[-1][1], 2 if c == "\ufe0f" else 1)]
+        elif not c.isprintable() and c not in " \n":
+            parts.append([f"U+{ord(c):04X}", len(f"U+{ord(c):04X}")])
+        else:  # (U+FE0F above: the emoji form, two columns wide)
+            wide = unicodedata.east_asian_width(c) in ("W", "F")
+            parts.append([{" ": "·", "\n": "↵"}.get(c, c), 2 if wide else 1])
+    room = width if sum(n for _, n in parts) <= width else width - 1  # a cut one ends with …
+    kept, used = "", 0
+    for part, n in parts:
+        if used + n > room:
             break
-        kept, used = kept + c, used + columns(c)
+        kept, used = kept + part, used + n
     if room < width:
         kept, used = kept + "…", used + 1
     return kept + " " * (width - used)
@@ -1329,19 +1339,19 @@ def shade(p, colour):  # a probability -> a glyph, or a 256-colour grey backgrou
         return f"\x1b[48;5;{233 + 3 * level};38;5;{232 if level > 3 else 255}m "
     return SHADES[level]
 
-def lens_picture(top, p, written, read, colour=False, width=80, first=1):
-    """The logit lens as lines of text, in panels of as many columns as fit width: a row per
-    block, the last on top; a cell per answer token (numbered from first): the block's likeliest
+def lens_picture(top, p, written, read, colour=False, screen=80, number=1):
+    """The logit lens as lines of text, in panels of as many columns as fit screen: a row per
+    block, the last on top; a cell per answer token (numbered from number): the block's likeliest
     token, shaded by the probability it gave the token written, ✓ where it is that token; under
     them, the token each column read. top, p: logit_lens()'s, as lists."""
     label, end = len(f"block {N_LAYERS}") + 1, "\x1b[0m" if colour else ""
-    per = max(1, (width - label) // (CELL + 3))                       # columns in a panel
+    per = max(1, (screen - label) // (CELL + 3))                      # columns in a panel
     lines = []
     for c0 in range(0, len(written), per):
         cols = range(c0, min(c0 + per, len(written)))
         if c0:
             lines.append("")  # between panels
-        numbers = "".join(f" {first + j:<{CELL + 2}}" for j in cols)  # the answer's tokens
+        numbers = "".join(f" {number + j:<{CELL + 2}}" for j in cols)  # the answer's tokens
         lines.append(f"{'token':<{label}}{numbers}".rstrip())
         for b in reversed(range(N_LAYERS)):
             lines.append(f"{f'block {b + 1}':<{label}}" + " ".join(
@@ -1350,32 +1360,39 @@ def lens_picture(top, p, written, read, colour=False, width=80, first=1):
         lines.append(f"{'read':<{label}}" + " ".join(f" {cell_text(read[j])} " for j in cols))
     return lines
 
-def answer_forming(prompt_ids, generated, cache, start, args):
+def answer_forming(prompt_ids, generated, cache, start, args, chunk=CHUNK):
     """--explain, after the answer: the logit lens over its last --lens-tokens tokens (0: all),
-    drawn. cache: as it was at start, before the prompt; generated: the answer's ids."""
+    drawn. cache: as it was at start, before the prompt; generated: the answer's ids; chunk:
+    logit_lens()'s. Ctrl-C (a chat at a terminal) stops the picture, the answer kept."""
     if not generated:
         print("the answer forming: no token was written (the first was an end-of-sequence id)")
         return
     n = min(args.lens_tokens or len(generated), len(generated))      # the columns drawn
-    before, token_ids = len(generated) - n, prompt_ids + generated[:-1]  # (the last is not read)
+    skipped, token_ids = len(generated) - n, prompt_ids + generated[:-1]  # (the last: unread)
     print("the answer forming: each block's likeliest next token, had the model ended there\n"
-          f"(the logit lens, nostalgebraist 2020; {N_LAYERS} x {n} LM heads, "
-          f"{N_LAYERS * n * D * len(W['lm_head.weight']):.1e} multiply-adds)", flush=True)
-    if before:
+          f"(the logit lens, nostalgebraist 2020; it costs a pass over {len(token_ids)} positions "
+          f"and\n{N_LAYERS} x {n} LM heads, {N_LAYERS * n * D * len(W['lm_head.weight']):.1e} "
+          "multiply-adds)", flush=True)
+    if skipped:
         print(f"[the answer's last {n} tokens of {len(generated)}; --lens-tokens 0: all of them]")
-    top, p = logit_lens(token_ids, generated[before:], cache, start, progress=True)
-    top, p = top.tolist(), p.tolist()
+    try:
+        top, p, p_top = (a.tolist() for a in logit_lens(
+            token_ids, generated[skipped:], cache, start, chunk, progress=True))
+    except KeyboardInterrupt:
+        print("[the answer forming: stopped]", flush=True)
+        return
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get(
         "TERM") != "dumb"  # else a glyph
     ramp = "".join(shade(i / 8, colour) for i in range(8)) + ("\x1b[0m" if colour else "")
-    print(f"{ramp} how likely the block found the token written, <1/8..7/8+; ✓ the same token")
-    print("\n".join(lens_picture(top, p, generated[before:], token_ids[len(token_ids) - n:],
-                                 colour, shutil.get_terminal_size().columns, before + 1)))
-    flips = [before + j + 1 for j in range(n) if top[-1][j] != generated[before + j]]
-    if args.temperature == 0 and flips:  # greedy: the top row is the answer, but for a near-tie
-        print(f"[note: at token {', '.join(map(str, flips))} the top row is not the answer: a "
-              "near-tie that this pass, summing in another order in "
-              f"{str(W['model.norm.weight'].dtype).split('.')[-1]}, broke the other way]")
+    print(f"{ramp} how likely the block found the token written (<1/8..7/8+); ✓ that token")
+    print("\n".join(lens_picture(top, p, generated[skipped:], token_ids[len(token_ids) - n:],
+                                 colour, shutil.get_terminal_size().columns, skipped + 1)))
+    dtype = str(W["model.norm.weight"].dtype).split(".")[-1]
+    for j in range(n):  # greedy: the top row is the answer, but where this pass breaks a tie
+        if args.temperature == 0 and top[-1][j] != generated[skipped + j]:
+            print(f"[note: token {skipped + j + 1}: the top row's {p_top[-1][j]:.4f} against "
+                  f"{p[-1][j]:.4f} for the token written, a near-tie this pass, summing in "
+                  f"another order in {dtype}, broke the other way]")
 
 def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, chunk=CHUNK):
     """One completion: --explain or --show-probs, then the text as it comes (after echo) and the
@@ -1437,8 +1454,8 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
         share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
         print(f"Draft: {counts['drafted']} tokens drafted by {by}, {counts['accepted']} accepted"
               f"{share}", flush=True)
-    if args.explain:  # the answer forming, after it (the statistics are the run's alone)
-        answer_forming(prompt_ids, generated, before, start, args)
+    if args.explain:  # after the statistics: their times are the answer's alone
+        answer_forming(prompt_ids, generated, before, start, args, chunk)
     return generated
 
 def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
@@ -1655,8 +1672,8 @@ def parse_args(argv):
     add("--dtype", choices=["bfloat16", "float16", "float32"], help="none: the weights' own")
     add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
     add("--explain", action="store_true", help="the steps inside (chat: each turn's)")
-    add("--lens-tokens", type=int, default=64, metavar="N",
-        help="--explain's picture: the answer's last N tokens (0: all)")
+    add("--lens-tokens", type=int, metavar="N",
+        help="--explain's picture: the answer's last N tokens (0: all; none given: 64)")
     add("--quiet", "-q", action="store_true", help="print the completion only")
     add("--verbose", action="store_true", help="a chat at a terminal: each answer's statistics")
     args = ap.parse_args(argv)
@@ -1666,7 +1683,9 @@ def parse_args(argv):
               (args.top_k < 0, "--top-k must be 0 or more"),
               (not 0 <= args.min_p <= 1, "--min-p must be from 0 to 1"),
               (args.show_probs < 0, "--show-probs must be 0 or more"),
-              (args.lens_tokens < 0, "--lens-tokens must be 0 or more"),
+              (args.lens_tokens is not None and not args.explain, "--lens-tokens needs --explain"),
+              (args.lens_tokens is not None and args.lens_tokens < 0,
+               "--lens-tokens must be 0 or more"),
               (args.batch_size < 1, "--batch-size must be at least 1"),
               (args.num_draft_tokens is not None and not args.draft,
                "--num-draft-tokens needs --draft"),
@@ -1685,6 +1704,8 @@ def parse_args(argv):
             ap.error(message)
     if args.draft and args.num_draft_tokens is None:
         args.num_draft_tokens = 1 if args.draft == "mtp" else 3
+    if args.lens_tokens is None:
+        args.lens_tokens = 64
     return args
 
 def read_prompts(args):

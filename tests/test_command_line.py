@@ -16,8 +16,7 @@ def test_help_shows_every_flag_with_its_default(checkpoint):
     text = " ".join(r.stdout.split())  # argparse wraps the help text
     options = text.split("options: ")[1]
     for flag, default in [("--max-tokens", "100"), ("--temperature", "0.0"), ("--top-p", "1.0"),
-                          ("--top-k", "0"), ("--min-p", "0.0"), ("--batch-size", "8"),
-                          ("--lens-tokens", "64")]:
+                          ("--top-k", "0"), ("--min-p", "0.0"), ("--batch-size", "8")]:
         after = options[options.index(f" {flag} "):]  # the flag's help, then its default
         assert re.search(r"\(default: ([^)]*)\)", after).group(1) == default, flag
     assert text.count("(default: ") == 22
