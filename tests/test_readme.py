@@ -57,3 +57,24 @@ def test_the_readme_sample_run_shows_every_statistics_line(checkpoint):
     sample = readme.split("This script prints a summary of the model")[1].split("```\n")[1]
     assert sample.startswith("Qwen3 from ") and sample.count("==========\n") == 2, sample
     assert statistics_labels(sample) == printed
+
+
+def test_the_readme_answer_forming_is_the_tiny_checkpoints(tmp_path):
+    """The grid under "See inside" is what its command draws on the README's tiny checkpoint, cell
+    for cell (a random model's noise, but this code's)."""
+    import os
+    import subprocess
+    import sys
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## See inside")[1].split("```\n")[1]
+    command = block.splitlines()[0].removeprefix("$ python ")
+    assert command.startswith("llm_inference.py --model tiny --explain")
+    subprocess.run([sys.executable, ROOT / "tests" / "random_checkpoint.py", "tiny", "--tiny"],
+                   cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    r = subprocess.run([sys.executable, ROOT / "llm_inference.py", *command.split()[1:]],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    drawn = r.stdout[r.stdout.index("the answer forming"):]
+    shown = block[block.index("the answer forming"):]
+    assert [line.rstrip() for line in drawn.splitlines()] == shown.splitlines()
