@@ -1271,7 +1271,7 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
     own = [None if c is None else c[:2] if deltanet(i) else (c[0][:, :start], c[1][:, :start])
            for i, c in enumerate(cache)]
     rows = [[(mx.zeros(0, mx.uint32), mx.zeros(0), mx.zeros(0))] for _ in range(N_LAYERS)]
-    progress = progress and sys.stderr.isatty()
+    progress, shown = progress and sys.stderr.isatty(), ""  # shown: the progress line
     try:
         for i in range(0, len(token_ids), chunk):
             ids, blocks = token_ids[i:i + chunk], []
@@ -1289,11 +1289,12 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
                 if not mx.isfinite(row[-1][1]).all().item():
                     raise not_finite(f"of block {b}'s logit lens", x.dtype)
                 if progress:
-                    print(f"\r[the logit lens: positions {i + len(ids)} of {len(token_ids)}, "
-                          f"block {b} of {N_LAYERS}]", end="", file=sys.stderr, flush=True)
+                    shown = (f"[the logit lens: positions {i + len(ids)} of {len(token_ids)}, "
+                             f"block {b} of {N_LAYERS}]")
+                    print(f"\r{shown}", end="", file=sys.stderr, flush=True)
             mx.eval(own)
     finally:  # the line blanked (spaces: a dumb terminal has no codes to clear it)
-        print(f"\r{' ' * 79}\r" if progress else "", end="", file=sys.stderr, flush=True)
+        print(f"\r{' ' * len(shown)}\r" if shown else "", end="", file=sys.stderr, flush=True)
     return [mx.stack([mx.concatenate([r[k] for r in row]) for row in rows]) for k in range(3)]
 
 # GPT-2's byte-level alphabet, which Qwen's tokenizer.json spells its tokens in: a byte that is a
@@ -1316,8 +1317,9 @@ def cell_text(token, width=CELL):
     for c in text:
         if "\udc80" <= c <= "\udcff":  # a byte that is no whole character (surrogateescape's)
             parts.append([f"<0x{ord(c) - 0xDC00:02X}>", 6])
-        elif parts and unicodedata.category(c) in ("Mn", "Me"):  # a mark on the one before
-            parts[-1] = [parts[-1][0] + c, max(parts[-1][1], 2 if c == "\ufe0f" else 1)]
+        elif unicodedata.category(c) in ("Mn", "Me"):  # a mark: on the one before, or on ◌
+            shown, n = parts.pop() if parts else ["◌", 1]
+            parts.append([shown + c, max(n, 2 if c == "\ufe0f" else 1)])
         elif not c.isprintable() and c not in " \n":
             parts.append([f"U+{ord(c):04X}", len(f"U+{ord(c):04X}")])
         else:  # (U+FE0F above: the emoji form, two columns wide)
@@ -1363,16 +1365,16 @@ def lens_picture(top, p, written, read, colour=False, screen=80, number=1):
 def answer_forming(prompt_ids, generated, cache, start, args, chunk=CHUNK):
     """--explain, after the answer: the logit lens over its last --lens-tokens tokens (0: all),
     drawn. cache: as it was at start, before the prompt; generated: the answer's ids; chunk:
-    logit_lens()'s. Ctrl-C (a chat at a terminal) stops the picture, the answer kept."""
+    logit_lens()'s. Ctrl-C in a chat stops the picture, the answer and the chat kept."""
     if not generated:
         print("the answer forming: no token was written (the first was an end-of-sequence id)")
         return
     n = min(args.lens_tokens or len(generated), len(generated))      # the columns drawn
     skipped, token_ids = len(generated) - n, prompt_ids + generated[:-1]  # (the last: unread)
     print("the answer forming: each block's likeliest next token, had the model ended there\n"
-          f"(the logit lens, nostalgebraist 2020; it costs a pass over {len(token_ids)} positions "
-          f"and\n{N_LAYERS} x {n} LM heads, {N_LAYERS * n * D * len(W['lm_head.weight']):.1e} "
-          "multiply-adds)", flush=True)
+          f"(the logit lens, nostalgebraist 2020; it costs a pass over {len(token_ids)} positions, "
+          f"as a\nprefill's, and {N_LAYERS} x {n} LM heads, "
+          f"{N_LAYERS * n * D * len(W['lm_head.weight']):.1e} multiply-adds more)", flush=True)
     if skipped:
         print(f"[the answer's last {n} tokens of {len(generated)}; --lens-tokens 0: all of them]")
     try:
@@ -1380,6 +1382,8 @@ def answer_forming(prompt_ids, generated, cache, start, args, chunk=CHUNK):
             token_ids, generated[skipped:], cache, start, chunk, progress=True))
     except KeyboardInterrupt:
         print("[the answer forming: stopped]", flush=True)
+        if not args.chat:  # (a plain run ends at Ctrl-C; a caller's loop is stopped by it)
+            raise
         return
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get(
         "TERM") != "dumb"  # else a glyph

@@ -77,23 +77,26 @@ def test_each_cell_is_lm_head_of_that_blocks_output(kind, checkpoint, qwen35, to
         assert mx.argmax(x @ li.W["lm_head.weight"].T, axis=-1).tolist() == top[b]
 
 
-def test_cells_against_mlx_lms_own_modules(checkpoint, tokenizer):
-    """mlx-lm's Qwen3 layers give the hidden states after each block; its norm and LM head give
-    the lens: the same tokens and probabilities as ours."""
-    folder = checkpoint(init="wide", lm_head="tied_stored")
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+def test_cells_against_mlx_lms_own_modules(kind, checkpoint, qwen35, tokenizer):
+    """mlx-lm's layers (Qwen3's; Qwen3.5's DeltaNet and attention blocks) give the hidden states
+    after each block; its norm and LM head give the lens: the same tokens and probabilities."""
+    folder = checkpoint(init="wide", lm_head="tied_stored") if kind == "qwen3" else qwen35(tied=False)
     li.load(folder)
     ids = tokenizer.encode(PROMPT).ids
     answer, top, p = lens_of(ids, 12)
     model, _ = load_model(Path(folder))
-    h = model.model.embed_tokens(mx.array(ids + answer[:-1])[None])
-    mask = create_attention_mask(h, None)
-    for b, layer in enumerate(model.model.layers):
-        h = layer(h, mask, None)
-        logits = model.model.embed_tokens.as_linear(model.model.norm(h))[0, len(ids) - 1:]
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    text = model if kind == "qwen3" else model.language_model
+    head = text.lm_head if kind == "qwen35" else text.model.embed_tokens.as_linear
+    h = text.model.embed_tokens(mx.array(ids + answer[:-1])[None])
+    mask = create_attention_mask(h, None)  # causal; a DeltaNet block takes none
+    for b, layer in enumerate(text.model.layers):
+        h = layer(h, None if getattr(layer, "is_linear", False) else mask, None)
+        probs = mx.softmax(head(text.model.norm(h))[0, len(ids) - 1:].astype(mx.float32), axis=-1)
         assert mx.argmax(probs, axis=-1).tolist() == top[b]
         ref = mx.take_along_axis(probs, mx.array(answer)[:, None], axis=-1)[:, 0]
         assert np.allclose(p[b], ref.tolist(), atol=1e-5)
+    assert b == li.N_LAYERS - 1 and (kind == "qwen3" or any(map(li.deltanet, range(b))))
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
@@ -235,8 +238,9 @@ def parse_picture(stdout):
     head = "the answer forming" + head
     legend, *lines = rest.split("\n")
     numbers, rows, read, after = [], {}, [], []
+    top = next(line.split()[1] for line in lines if line.startswith("block "))  # the last block
     for line in lines:
-        label, body = line[:li.CELL + 2].rstrip(), line[len(f"block {li.N_LAYERS}") + 1:]
+        label, body = line[:len(f"block {top}") + 1].rstrip(), line[len(f"block {top}") + 1:]
         if line.startswith("token "):
             numbers += [int(n) for n in body.split()]
         elif line.startswith("block "):
@@ -257,10 +261,11 @@ def odd_tokens(checkpoint, monkeypatch):
     li.load(checkpoint())
     tok = build_tokenizer()
     tok.add_tokens(["日本の首都です", "日本", "e\u0301x", "a\u00a0b", "❤\ufe0f!", "👨\u200d👩\u200d👧",
-                    "x\ufffdy"])
+                    "x\ufffdy", "\u0301ab"])
     monkeypatch.setattr(li, "TOK", tok)
     ids = {text: tok.token_to_id(text) for text in ["日本の首都です", "日本", "e\u0301x", "<|endoftext|>",
-                                                    "a\u00a0b", "❤\ufe0f!", "👨\u200d👩\u200d👧", "x\ufffdy"]}
+                                                    "a\u00a0b", "❤\ufe0f!", "👨\u200d👩\u200d👧", "x\ufffdy",
+                                                    "\u0301ab"]}
     ids.update({" is": tok.encode(" is").ids[0], "\n": tok.encode("\n").ids[0],
                 "\t": tok.encode("\t").ids[0], "half": tok.encode("日").ids[0],
                 "none": li.W["lm_head.weight"].shape[0] - 1})
@@ -272,7 +277,7 @@ def odd_tokens(checkpoint, monkeypatch):
 CELLS = {" is": "·is    ", "\n": "↵      ", "\t": "U+0009 ", "日本の首都です": "日本の…",
          "日本": "日本   ", "e\u0301x": "e\u0301x     ", "<|endoftext|>": "<|endo…",
          "a\u00a0b": "a…     ", "❤\ufe0f!": "❤\ufe0f!    ", "👨\u200d👩\u200d👧": "👨…    ",
-         "x\ufffdy": "x\ufffdy    "}
+         "x\ufffdy": "x\ufffdy    ", "\u0301ab": "◌\u0301ab    "}
 
 
 def test_cell_rules(odd_tokens):
@@ -339,7 +344,8 @@ def test_sampled_answer_is_the_one_drawn(checkpoint, tokenizer):
     mx.random.seed(7)
     answer = list(li.generate(ids, 10, li.sampler_of(li.parse_args(["--temp", "1.5"]))))
     assert li.TOK.decode(answer) in r.stdout
-    _, _, rows, read, _ = parse_picture(r.stdout)
+    _, _, rows, read, after = parse_picture(r.stdout)
+    assert after == []  # no note of a near-tie: a sampled token need not be the top one
     ref_top, ref_p = by_hand(ids + answer[:-1], answer)
     assert read == [li.cell_text(t) for t in (ids + answer)[len(ids) - 1:-1]]
     for b in range(li.N_LAYERS):
@@ -409,20 +415,25 @@ def pty_run(*args, env=None):
 
 def test_colour_at_a_terminal_glyphs_with_no_color_or_a_dumb_one(checkpoint):
     folder = str(checkpoint(init="wide"))
-    flags = ["--model", folder, "-m", "6", "--explain"]
-    coloured = pty_run(*flags, env={"COLUMNS": "70"})
+    flags = ["--model", folder, "-m", "11", "--explain"]
+    coloured = pty_run(*flags, env={"COLUMNS": "40"})  # panels of 3 columns: 8 + 3 x 10
     piped = run_cli(*flags).stdout
     plain = re.sub(r"\x1b\[[0-9;]*m", "", coloured)
-    assert "\x1b[48;5;" in coloured and not set(SHADES) & set(plain.split("the answer forming")[1])
+    picture = plain.split("the answer forming")[1].split("\ntoken ", 1)[1].split("\n")
+    assert "\x1b[48;5;" in coloured and not set(SHADES) & set("".join(picture))
+    assert sum(line.startswith("token ") for line in picture) == 3  # and the first: 4 panels
+    assert max(width(line) for line in picture) == 37  # 8 + 3 x 10 - 1: 3 columns a panel
     _, _, rows, read, _ = parse_picture(piped)
     for b, cells in rows.items():  # the same cells; the shade as a grey level, 233 + 3 x glyph's
-        line = next(line for line in coloured.split("\n") if line.startswith(f"block {b} "))
-        greys = [int(g) for g in re.findall(r"\x1b\[48;5;(\d+);", line)]
+        lines = [line for line in coloured.split("\n") if line.startswith(f"block {b} ")]
+        greys = [int(g) for line in lines for g in re.findall(r"\x1b\[48;5;(\d+);", line)]
         assert greys == [233 + 3 * SHADES.index(glyph) for glyph, _, _ in cells]
+        assert all(re.fullmatch(r"block \d (\x1b\[48;5;[\d;]+m [^\x1b]+\x1b\[0m ?)+", line)
+                   for line in lines)  # each cell's colour ended in the cell
     for env in ({"NO_COLOR": "1"}, {"TERM": "dumb"}):
         shown = pty_run(*flags, env=env)
         assert "\x1b[" not in shown
-        shown = re.sub(r"\r\[the logit lens: [^\]]*\]|\r {79}\r", "", shown)  # progress, blanked
+        shown = re.sub(r"\r\[the logit lens: [^\]]*\]|\r +\r", "", shown)  # progress, blanked
         assert parse_picture(shown)[2] == rows
 
 
@@ -433,7 +444,8 @@ def test_progress_at_a_terminal_blanked_after(checkpoint):
     steps = re.findall(r"\r\[the logit lens: positions (\d+) of (\d+), block (\d) of 3\]", shown)
     assert steps[-1][0] == steps[-1][1] and steps[-1][2] == "3" and int(steps[0][1]) > 512
     assert steps[0] == ("512", steps[0][1], "1") or steps[0][0] == steps[0][1]  # a chunk at a time
-    assert "\r" + " " * 79 + "\r" in shown
+    last = f"[the logit lens: positions {steps[-1][0]} of {steps[-1][1]}, block 3 of 3]"
+    assert f"\r{last}\r{' ' * len(last)}\r" in shown  # the last, then blanked
 
 
 def test_progress_blanked_on_every_way_out(checkpoint, monkeypatch):
@@ -444,28 +456,47 @@ def test_progress_blanked_on_every_way_out(checkpoint, monkeypatch):
         def isatty(self):
             return True
     monkeypatch.setattr(sys, "stderr", Terminal())
-    lm_head = li.lm_head
+    lm_head, calls = li.lm_head, []
 
-    def overflowing(x):
-        return lm_head(x) * mx.inf
+    def overflowing(x):  # block 2's lens overflows, after block 1's progress line
+        calls.append(x)  # (the first call: forward()'s own, never evaluated)
+        return lm_head(x) * (mx.inf if len(calls) == 3 else 1)
     monkeypatch.setattr(li, "lm_head", overflowing)
-    with pytest.raises(FloatingPointError):
+    with pytest.raises(FloatingPointError, match="block 2's logit lens"):
         li.logit_lens([5, 6, 7], [8, 9], [None] * li.N_LAYERS, progress=True)
-    assert sys.stderr.getvalue().endswith("\r" + " " * 79 + "\r")
+    last = "[the logit lens: positions 3 of 3, block 1 of 3]"
+    assert sys.stderr.getvalue() == f"\r{last}\r{' ' * len(last)}\r"
 
 
 def test_ctrl_c_stops_the_picture_and_keeps_the_answer(checkpoint, tokenizer, monkeypatch, capsys):
+    """In a chat, Ctrl-C in the picture stops it alone: the answer and its cache are kept, and the
+    next turn reuses as much as without it. Elsewhere (a caller's loop) it goes on up, after the
+    same line."""
     li.load(checkpoint())
+    lens, stops, chats = li.logit_lens, [], []
 
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
+    def interrupted(*args, **kwargs):  # the first turn's picture, when asked, is stopped
+        if stops.pop() if stops else False:
+            raise KeyboardInterrupt
+        return lens(*args, **kwargs)
     monkeypatch.setattr(li, "logit_lens", interrupted)
+    for stop in (False, True):
+        stops[:] = [False, stop]  # popped: the first turn's, then the second's
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello there\nAnd Japan?\n")))
+        try:
+            li.chat_turns(li.parse_args(["--chat", "-m", "3", "--explain"]), False)
+        except KeyboardInterrupt:  # (uncaught, it would stop pytest itself)
+            pytest.fail("Ctrl-C in the picture ended the chat")
+        chats.append(capsys.readouterr().out.split("[KV cache: ")[1:])
+    (plain, plain2), (stopped, stopped2) = chats
+    assert stopped.endswith("[the answer forming: stopped]\n") and "stopped" not in plain
+    assert stopped.split("==========")[1] == plain.split("==========")[1]  # the answer kept
+    assert stopped2.split("]")[0] == plain2.split("]")[0]  # "N tokens reused, M new to prefill"
+    assert int(plain2.split()[0]) > len(tokenizer.encode("Hello there").ids) + 3
     ids = tokenizer.encode(PROMPT).ids
-    try:
-        generated = li.reply(ids, li.parse_args(["-m", "3", "--explain"]), [None] * li.N_LAYERS)
-    except KeyboardInterrupt:  # (uncaught, it would stop pytest itself)
-        pytest.fail("Ctrl-C in the picture lost the answer")
-    assert generated == list(li.generate(ids, 3))
+    stops[:] = [True]
+    with pytest.raises(KeyboardInterrupt):
+        li.reply(ids, li.parse_args(["-m", "3", "--explain"]), [None] * li.N_LAYERS)
     assert capsys.readouterr().out.endswith("[the answer forming: stopped]\n")
 
 
