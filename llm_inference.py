@@ -1277,21 +1277,22 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
             ids, blocks = token_ids[i:i + chunk], []
             forward(ids, own, start + i, blocks)                      # its logits never computed
             at = max(first - i, 0)                                    # the chunk's first column
-            wrote = mx.array(written[i + at - first:i + len(ids) - first] or [0])  # (C,)
-            for b, (row, x) in enumerate(zip(rows, blocks if at < len(ids) else []), 1):
-                # Its own final norm: lm_head() normalises this block's x by its own size.
-                logits = lm_head(x[at:]).astype(mx.float32)           # (C, vocab)
-                lse = mx.logsumexp(logits, axis=-1)                   # (C,) softmax's divisor
-                chosen = mx.take_along_axis(logits, wrote[:, None], axis=-1)[:, 0]  # (C,)
-                row.append((mx.argmax(logits, axis=-1), mx.exp(chosen - lse),
-                             mx.exp(logits.max(axis=-1) - lse)))     # (C,) each
-                mx.eval(row[-1])                                      # all that is kept of them
-                if not mx.isfinite(row[-1][1]).all().item():
-                    raise not_finite(f"of block {b}'s logit lens", x.dtype)
-                if progress:
-                    shown = (f"[the logit lens: positions {i + len(ids)} of {len(token_ids)}, "
-                             f"block {b} of {N_LAYERS}]")
-                    print(f"\r{shown}", end="", file=sys.stderr, flush=True)
+            if at < len(ids):  # columns in this chunk
+                wrote = mx.array(written[i + at - first:i + len(ids) - first])  # (C,)
+                for b, (row, x) in enumerate(zip(rows, blocks), 1):
+                    # Its own final norm: lm_head() normalises this block's x by its own size.
+                    logits = lm_head(x[at:]).astype(mx.float32)       # (C, vocab)
+                    lse = mx.logsumexp(logits, axis=-1)               # (C,) softmax's divisor
+                    chosen = mx.take_along_axis(logits, wrote[:, None], axis=-1)[:, 0]  # (C,)
+                    row.append((mx.argmax(logits, axis=-1), mx.exp(chosen - lse),
+                                 mx.exp(logits.max(axis=-1) - lse)))  # (C,) each
+                    mx.eval(row[-1])                                  # all that is kept of them
+                    if not mx.isfinite(row[-1][1]).all().item():
+                        raise not_finite(f"of block {b}'s logit lens", x.dtype)
+                    if progress:
+                        shown = (f"[the logit lens: positions {i + len(ids)} of "
+                                 f"{len(token_ids)}, block {b} of {N_LAYERS}]")
+                        print(f"\r{shown}", end="", file=sys.stderr, flush=True)
             mx.eval(own)
     finally:  # the line blanked (spaces: a dumb terminal has no codes to clear it)
         print(f"\r{' ' * len(shown)}\r" if shown else "", end="", file=sys.stderr, flush=True)
