@@ -1,7 +1,10 @@
 """Qwen3 from scratch beside "Inside an LLM: Pure Python Inference for Qwen3-0.6B on MLX".
 Part I    the article's script: constants, load(), Steps 1-9 through generate(). It runs alone.
-Part II   what the article leaves out: quantised weights, Qwen3.5, multi-token prediction, batching.
-Part III  what serves it all: file checks, download, chat, the command line."""
+Part II   what the article leaves out, the model side: quantised weights, Qwen3.5's hybrid
+          attention, multi-token prediction, batching, several machines.
+Part III  See inside: the views that teach (--explain), each callable from a notebook.
+Part IV   the program, read top-down from main(): the command line, an answer, a batch, chat,
+          loading and its checks, the download, several processes."""
 import json, math  # noqa: E401
 from functools import partial
 from pathlib import Path
@@ -735,14 +738,692 @@ def shard(name, w, group, qwen35):
     mx.eval(part)
     return part
 
-# ═══ Part III — what serves it all: file checks, download, chat, the command line ═══
-import argparse, errno, os, re, shlex, shutil, signal, socket, sys, time, unicodedata  # noqa
-import warnings  # noqa: E402
+# ═══ Part III — See inside: the views that teach, for --explain and for a notebook ═══
+import os, shutil, sys, unicodedata  # noqa: E401, E402
+
+
+# ─── The tokens, and the next token ───
+
+def shown(token):  # a token's text, quoted (a leading space shows), special tokens by name
+    return repr(TOK.decode([token], skip_special_tokens=False))
+
+def top_tokens(logits, k, where="the prompt"):
+    """logits (vocab,) -> the k likeliest tokens [(id, probability)], softmax at temperature 1."""
+    probs = mx.softmax(logits.astype(mx.float32))                     # (vocab,)
+    if not mx.isfinite(probs).all().item():
+        raise not_finite(f"after {where}", logits.dtype)
+    top = mx.argsort(-probs)[:k].tolist()                             # (k,) likeliest first
+    return [(t, probs[t].item()) for t in top]
+
+def bar_row(label, token, p):  # a row of a probability table: 30 blocks for p = 1
+    return f"{label:>10} {shown(token):>18} {p:<8.4g}{'█' * round(30 * p)}"
+
+def explain(prompt_ids, blocks, logits, cache, start, k):
+    """--explain, before the answer: the tokens, the top k next tokens, then where the prompt's
+    last token looks in each attention block (blocks: its x after each)."""
+    print("tokens:", ", ".join(f"{shown(t)} {t}" for t in prompt_ids))
+    print(f"embedding: {embed(prompt_ids).shape}")
+    print(f"the next token: the model's top {k}")
+    print("\n".join(bar_row("", token, p) for token, p in top_tokens(logits, k)))
+    heads = "heads" if GROUP is None else f"rank 0's {N_HEADS // GROUP.size()} heads of {N_HEADS}"
+    print("where the last token looks: each attention block's 3 heaviest tokens of the prompt "
+          f"(averaged over {heads})")
+    for i, weights in attention_looks(prompt_ids, blocks, cache, start):
+        weights = weights[start:].tolist()                            # the prompt's positions
+        top = sorted(range(len(weights)), key=weights.__getitem__, reverse=True)[:3]
+        for n, j in enumerate(top):
+            print(bar_row(f"block {i}" if n == 0 else "", prompt_ids[j], weights[j]))
+        print(f"{'':>10} {'rest':>18} {1 - sum(weights[j] for j in top):<8.4g}")
+    delta = [str(i + 1) for i in range(N_LAYERS) if deltanet(i)]
+    if delta:
+        print(f"blocks {', '.join(delta)}: Gated DeltaNet, compressed notes: no such weights")
+
+# ─── Where the last token looks ───
+
+def attention_looks(prompt_ids, blocks, cache, start=0):
+    """Where the prompt's last token looks, in each full-attention block: Step 5's scores and
+    softmax run once more for its query, on the keys the cache holds (memory: S per head) ->
+    [(block, (S,))], averaged over heads. blocks: x after each block, for the last token."""
+    S = start + len(prompt_ids)
+    last, looks = mx.array([S - 1]), []
+    for i in [i for i in range(N_LAYERS) if not deltanet(i)]:
+        x = embed(prompt_ids[-1:]) if i == 0 else blocks[i - 1]       # (1, D) block i's input
+        h = rms_norm(x, W[f"model.layers.{i}.input_layernorm.weight"], EPS)
+        if MODEL == "qwen3_5":
+            q = gated_queries(h, i, last)[0]                          # (1, heads, hd)
+        else:
+            rope = rope_tables(last, h.dtype)
+            q = queries_keys_values(h, f"model.layers.{i}.self_attn.", rope)[0]
+        keys = cache[i][0][:, :S]                                     # (KV, S, hd)
+        by_kv = q.reshape(keys.shape[0], -1, keys.shape[-1])          # (KV, 2, hd) as attend()'s
+        scores = masked_scores(by_kv @ keys.swapaxes(-1, -2), mx.array(True), math.sqrt(
+            keys.shape[-1]))                                          # (KV, 2, S) all visible
+        looks.append((i + 1, mx.softmax(scores, axis=-1).reshape(-1, S).mean(axis=0)))  # (S,)
+    return looks
+
+# ─── The answer forming ───
+
+def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
+    """The logit lens (nostalgebraist, 2020) over an answer. token_ids (the prompt, then the answer
+    but its last id) at positions start.. run once more, on a cache of their own that goes on from
+    cache as it was at start (cache itself is never written); at each of the last len(written)
+    positions, each block's output goes through the final RMSNorm and the LM head, as though the
+    model ended after that block -> top, p, p_top (blocks, len(written)): each block's likeliest
+    next token, the probability it gives the token written there, and its top one's. Memory: the
+    positions' ids and cache, and one block's logits for a chunk of them at a time. progress: a
+    line on stderr at a terminal, taken away on every way out."""
+    first = len(token_ids) - len(written)                             # the first column's place
+    if first < 0:
+        raise ValueError(f"{len(written)} ids written after {len(token_ids)} positions")
+    # Keys and values cut at start: the first write past it grows them into new buffers, and so
+    # never lands in the run's. A DeltaNet's notes are new arrays at every token.
+    own = [None if c is None else c[:2] if deltanet(i) else (c[0][:, :start], c[1][:, :start])
+           for i, c in enumerate(cache)]
+    rows = [[(mx.zeros(0, mx.uint32), mx.zeros(0), mx.zeros(0))] for _ in range(N_LAYERS)]
+    progress, shown = progress and sys.stderr.isatty(), ""  # shown: the progress line
+    try:
+        for i in range(0, len(token_ids), chunk):
+            ids, blocks = token_ids[i:i + chunk], []
+            forward(ids, own, start + i, blocks)                      # its logits never computed
+            at = max(first - i, 0)                                    # the chunk's first column
+            if at < len(ids):  # columns in this chunk
+                wrote = mx.array(written[i + at - first:i + len(ids) - first])  # (C,)
+                for b, (row, x) in enumerate(zip(rows, blocks), 1):
+                    # Its own final norm: lm_head() normalises this block's x by its own size.
+                    logits = lm_head(x[at:]).astype(mx.float32)       # (C, vocab)
+                    lse = mx.logsumexp(logits, axis=-1)               # (C,) softmax's divisor
+                    chosen = mx.take_along_axis(logits, wrote[:, None], axis=-1)[:, 0]  # (C,)
+                    row.append((mx.argmax(logits, axis=-1), mx.exp(chosen - lse),
+                                 mx.exp(logits.max(axis=-1) - lse)))  # (C,) each
+                    mx.eval(row[-1])                                  # all that is kept of them
+                    if not mx.isfinite(row[-1][1]).all().item():
+                        raise not_finite(f"of block {b}'s logit lens", x.dtype)
+                    if progress:
+                        shown = (f"[the logit lens: positions {i + len(ids)} of "
+                                 f"{len(token_ids)}, block {b} of {N_LAYERS}]")
+                        print(f"\r{shown}", end="", file=sys.stderr, flush=True)
+            mx.eval(own)
+    finally:  # the line blanked (spaces: a dumb terminal has no codes to clear it)
+        print(f"\r{' ' * len(shown)}\r" if shown else "", end="", file=sys.stderr, flush=True)
+    return [mx.stack([mx.concatenate([r[k] for r in row]) for row in rows]) for k in range(3)]
+
+# GPT-2's byte-level alphabet, which Qwen's tokenizer.json spells its tokens in: a byte that is a
+# printable Latin-1 character is itself, the others are chr(256), chr(257), ... in order.
+PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
+
+BYTE_OF = {chr(b): b for b in PRINTABLE} | {
+    chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in PRINTABLE)}
+
+SHADES = "▁▂▃▄▅▆▇█"  # a probability under 1/8, under 2/8, ..., 7/8 or more
+
+CELL = 7  # the terminal columns of a token's text in a cell of the picture
+
+def cell_text(token, width=CELL):
+    """A token's text in exactly width terminal columns: a space as ·, a newline as ↵, a wide
+    character in two, a part of a UTF-8 character as its bytes (<0xE4>), a whole one that prints
+    nothing as its code point (U+00A0); a longer text is cut with … between characters."""
+    spelt = TOK.id_to_token(token)  # None: a row of the LM head past the tokenizer's tokens
+    text = f"#{token}" if spelt is None else TOK.decode([token], skip_special_tokens=False)
+    if "\ufffd" in text and all(c in BYTE_OF for c in spelt):  # a piece of a character
+        text = bytes(BYTE_OF[c] for c in spelt).decode(errors="surrogateescape")
+    parts = []  # [what shows, its columns]: a character with the marks on it, or a stand-in
+    for c in text:
+        if "\udc80" <= c <= "\udcff":  # a byte that is no whole character (surrogateescape's)
+            parts.append([f"<0x{ord(c) - 0xDC00:02X}>", 6])
+        elif unicodedata.category(c) in ("Mn", "Me"):  # a mark: on the one before, or on ◌
+            shown, n = parts.pop() if parts else ["◌", 1]
+            parts.append([shown + c, max(n, 2 if c == "\ufe0f" else 1)])
+        elif not c.isprintable() and c not in " \n":
+            parts.append([f"U+{ord(c):04X}", len(f"U+{ord(c):04X}")])
+        else:  # (U+FE0F above: the emoji form, two columns wide)
+            wide = unicodedata.east_asian_width(c) in ("W", "F")
+            parts.append([{" ": "·", "\n": "↵"}.get(c, c), 2 if wide else 1])
+    room = width if sum(n for _, n in parts) <= width else width - 1  # a cut one ends with …
+    kept, used = "", 0
+    for part, n in parts:
+        if used + n > room:
+            break
+        kept, used = kept + part, used + n
+    if room < width:
+        kept, used = kept + "…", used + 1
+    return kept + " " * (width - used)
+
+def shade(p, colour):  # a probability -> a glyph, or a 256-colour grey background and its text
+    level = min(int(p * 8), 7)
+    if colour:  # (a cell's text then goes on in this colour, until "\x1b[0m")
+        return f"\x1b[48;5;{233 + 3 * level};38;5;{232 if level > 3 else 255}m "
+    return SHADES[level]
+
+def lens_picture(top, p, written, read, colour=False, screen=80, number=1):
+    """The logit lens as lines of text, in panels of as many columns as fit screen: a row per
+    block, the last on top; a cell per answer token (numbered from number): the block's likeliest
+    token, shaded by the probability it gave the token written, ✓ where it is that token; under
+    them, the token each column read. top, p: logit_lens()'s, as lists."""
+    label, end = len(f"block {N_LAYERS}") + 1, "\x1b[0m" if colour else ""
+    per = max(1, (screen - label) // (CELL + 3))                      # columns in a panel
+    lines = []
+    for c0 in range(0, len(written), per):
+        cols = range(c0, min(c0 + per, len(written)))
+        if c0:
+            lines.append("")  # between panels
+        numbers = "".join(f" {number + j:<{CELL + 2}}" for j in cols)  # the answer's tokens
+        lines.append(f"{'token':<{label}}{numbers}".rstrip())
+        for b in reversed(range(N_LAYERS)):
+            lines.append(f"{f'block {b + 1}':<{label}}" + " ".join(
+                shade(p[b][j], colour) + cell_text(top[b][j])
+                + ("✓" if top[b][j] == written[j] else " ") + end for j in cols))
+        lines.append(f"{'read':<{label}}" + " ".join(f" {cell_text(read[j])} " for j in cols))
+    return lines
+
+def answer_forming(prompt_ids, generated, cache, start, args, chunk=CHUNK):
+    """--explain, after the answer: the logit lens over its last --lens-tokens tokens (0: all),
+    drawn. cache: as it was at start, before the prompt; generated: the answer's ids; chunk:
+    logit_lens()'s. Ctrl-C in a chat stops the picture, the answer and the chat kept."""
+    if not generated:
+        print("the answer forming: no token was written (the first was an end-of-sequence id)")
+        return
+    n = min(args.lens_tokens or len(generated), len(generated))      # the columns drawn
+    skipped, token_ids = len(generated) - n, prompt_ids + generated[:-1]  # (the last: unread)
+    print("the answer forming: each block's likeliest next token, had the model ended there\n"
+          f"(the logit lens, nostalgebraist 2020; it costs a pass over {len(token_ids)} positions, "
+          f"as a\nprefill's, and {N_LAYERS} x {n} LM heads, "
+          f"{N_LAYERS * n * D * len(W['lm_head.weight']):.1e} multiply-adds more)", flush=True)
+    if skipped:
+        print(f"[the answer's last {n} tokens of {len(generated)}; --lens-tokens 0: all of them]")
+    try:
+        top, p, p_top = (a.tolist() for a in logit_lens(
+            token_ids, generated[skipped:], cache, start, chunk, progress=True))
+    except KeyboardInterrupt:
+        print("[the answer forming: stopped]", flush=True)
+        if not args.chat:  # (a plain run ends at Ctrl-C; a caller's loop is stopped by it)
+            raise
+        return
+    colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get(
+        "TERM") != "dumb"  # else a glyph
+    ramp = "".join(shade(i / 8, colour) for i in range(8)) + ("\x1b[0m" if colour else "")
+    print(f"{ramp} how likely the block found the token written (<1/8..7/8+); ✓ that token")
+    print("\n".join(lens_picture(top, p, generated[skipped:], token_ids[len(token_ids) - n:],
+                                 colour, shutil.get_terminal_size().columns, skipped + 1)))
+    dtype = str(W["model.norm.weight"].dtype).split(".")[-1]
+    for j in range(n):  # greedy: the top row is the answer, but where this pass breaks a tie
+        if args.temperature == 0 and top[-1][j] != generated[skipped + j]:
+            print(f"[note: token {skipped + j + 1}: the top row's {p_top[-1][j]:.4f} against "
+                  f"{p[-1][j]:.4f} for the token written, a near-tie this pass, summing in "
+                  f"another order in {dtype}, broke the other way]")
+
+# ─── What memory moves ───
+
+def bandwidth(size=2**28, tries=5):
+    """This machine's memory speed for what bounds decoding, bytes a second: reading size bytes
+    already written and resident (the largest of their 32-bit words: integer work, light enough
+    that the reading takes the time, with no page faults timed), the best of tries."""
+    words = mx.zeros(size // 4, mx.uint32)                            # written before any timing
+    mx.eval(words)
+    best = math.inf
+    for _ in range(tries):
+        tic = time.perf_counter()
+        mx.eval(words.max())
+        best = min(best, time.perf_counter() - tic)
+    return size / best
+
+# ═══ Part IV — The program, read top-down from main() ═══
+import argparse, errno, re, shlex, signal, socket, time, warnings  # noqa: E401, E402
 from contextlib import contextmanager  # noqa: E402
 from tokenizers.decoders import DecodeStream  # noqa: E402
 from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokenizers)
 
-# ─── File checks: every file, config entry and tensor, before any of it runs ───
+
+# ─── The command line ───
+
+def main(argv=None):
+    group = mx.distributed.init()  # mlx.launch's processes (ranks), or this one alone
+    try:
+        args, folder, cfg, texts, prompts = setup(argv, group)
+        failed = None
+    except UserError as e:
+        failed = e
+    if group.size() > 1:  # every rank's checks agreed on in one sum: all go on, or all end
+        failures = mx.distributed.all_sum(mx.array(failed is not None, mx.int32), group=group)
+        if failures.item():
+            if failed and failures.item() < group.size():  # this rank's own: its rank in front
+                print(f"rank {group.rank()}: {failed.code}", file=sys.stderr, flush=True)
+            elif failed and group.rank() == 0:  # every rank's: rank 0 says it once
+                print(failed.code, file=sys.stderr, flush=True)
+            # mlx.launch ends the rest when one ends with an error: every line is out first.
+            mx.distributed.all_sum(mx.array(0), group=group).item()
+            raise SystemExit(1)
+        if group.rank() > 0:  # rank 0 alone prints; the others compute beside it
+            sys.stdout = open(os.devnull, "w")
+    if failed:
+        raise failed
+    if group.size() > 1 and args.seed is None:  # each process seeds itself: all take rank 0's
+        mine = int.from_bytes(os.urandom(3), "little") if group.rank() == 0 else 0
+        args.seed = mx.distributed.all_sum(mx.array(mine), group=group).item()
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    if not args.quiet:
+        print(summary(folder, cfg))
+    if prompts is None:
+        converse(args)
+    elif len(prompts) > 1:
+        reply_batch(texts, prompts, args)
+    else:
+        reply(prompts[0], args, [None] * N_LAYERS, echo="" if args.chat else texts[0])
+
+def setup(argv, group):
+    """main()'s flags, prompts, folder and files, each checked before any output -> args, the
+    folder, its config, the prompts' texts and ids (None: a conversation)."""
+    if sys.stdout is None:  # closed (>&-): the text would go nowhere, and the exit say success
+        raise UserError("standard output is closed (>&-): there is nowhere to write the text")
+    args, launched = parse_args(argv), group.size() > 1
+    if launched and "-" in (args.prompt or []):  # mlx.launch never ends the ranks' input
+        raise UserError("--prompt - reads standard input to its end, which under mlx.launch never "
+                        "comes: give the prompt's text")
+    if launched and args.chat and not args.prompt and not args.prompts:
+        raise UserError("--chat without --prompt is a conversation on standard input, which "
+                        "mlx.launch never ends: give --prompt, or chat in one process")
+    texts = read_prompts(args)
+    folder = model_folder(args.model, fetch=not launched)
+    cfg = load_checked(folder, args.dtype and getattr(mx, args.dtype), group)
+    for tag in ("<|im_start|>", "<|im_end|>"):
+        if args.chat and len(tokenize(tag)) != 1:  # a tokenizer without them spells them out
+            raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
+                            "the chat tokens of Qwen3's instruct models")
+    if args.chat and args.think is None:  # neither --think nor --no-think: the template's way
+        args.think = thinks_first(folder)
+    if args.draft == "mtp" and "mtp.fc.weight" not in W:
+        raise UserError(f"{folder} has no MTP head (mtp.* tensors): --draft mtp needs Qwen3.5's "
+                        "own; --draft lookup drafts with any model")
+    prompts = None  # --chat without a prompt: a conversation
+    if texts[0] is not None or not args.chat:  # each prompt checked before any output
+        texts = [text or "The capital of France is" for text in texts]
+        prompts = [tokenize(chat_prompt([t], args.system, args.think)) if args.chat
+                   else tokenize(t) for t in texts]
+        longest = max(len(ids) for ids in prompts)
+        if longest >= MAX_POS:
+            raise UserError(f"a prompt is {longest} tokens; the context holds {MAX_POS}")
+    return args, folder, cfg, texts, prompts
+
+def as_text(data, source="standard input"):
+    """Bytes (standard input, or a flag given as bytes) -> text; not UTF-8: a UserError."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{source} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+class Flags(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own: its usage, then exit 2; ours: one line
+        raise UserError(f"{message} (see --help)")
+
+def parse_args(argv):
+    """The flags (mlx_lm.generate's names where it has the flag); every value checked first."""
+    ap = Flags(description="Qwen3 text generation from scratch with MLX.",
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = ap.add_argument
+    add("--model", default=str(HERE / "Qwen3-0.6B"), help="a folder, or a Hugging Face repo id")
+    add("--prompt", "-p", action="append", help='"-" reads stdin; given again: a batch '
+        '(none: "The capital of France is")')
+    add("--prompts", metavar="FILE", help="one prompt a line, decoded as a batch")
+    add("--batch-size", type=int, default=8, metavar="N", help="most rows decoded at once")
+    add("--max-tokens", "-m", type=int, default=100, help="most tokens generated")
+    add("--temperature", "--temp", type=float, default=0.0, help="0: greedy")
+    add("--top-p", type=float, default=1.0, help="sample from this much probability")
+    add("--top-k", type=int, default=0, help="sample from the K likeliest (0: all)")
+    add("--min-p", type=float, default=0.0, help="none under this x the likeliest's")
+    add("--seed", type=int, help="makes sampling reproducible")
+    add("--draft", choices=["mtp", "lookup"], help="draft with Qwen3.5's MTP head, or by lookup")
+    add("--num-draft-tokens", type=int, metavar="K", help="drafted at a time (mtp: 1, lookup: 3)")
+    add("--chat", action="store_true", help="chat template; without --prompt: a chat")
+    add("--system", help="system message, with --chat")
+    thinking = ap.add_mutually_exclusive_group()  # (argparse says when both are given)
+    thinking.add_argument("--think", dest="think", action="store_const", const=True,
+                          help="thinking on, with --chat (neither flag: as its template says)")
+    thinking.add_argument("--no-think", dest="think", action="store_const", const=False,
+                          help="thinking off, with --chat")
+    add("--dtype", choices=["bfloat16", "float16", "float32"], help="none: the weights' own")
+    add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
+    add("--explain", action="store_true", help="the steps inside (chat: each turn's)")
+    add("--lens-tokens", type=int, metavar="N",
+        help="--explain's picture: the answer's last N tokens (0: all; none given: 64)")
+    add("--quiet", "-q", action="store_true", help="print the completion only")
+    add("--verbose", action="store_true", help="a chat at a terminal: each answer's statistics")
+    args = ap.parse_args(argv)
+    checks = [(args.max_tokens < 1, "--max-tokens must be at least 1"),
+              (not args.temperature >= 0, "--temperature must be 0 or more"),
+              (not 0 < args.top_p <= 1, "--top-p must be more than 0 and at most 1"),
+              (args.top_k < 0, "--top-k must be 0 or more"),
+              (not 0 <= args.min_p <= 1, "--min-p must be from 0 to 1"),
+              (args.show_probs < 0, "--show-probs must be 0 or more"),
+              (args.lens_tokens is not None and not args.explain, "--lens-tokens needs --explain"),
+              (args.lens_tokens is not None and args.lens_tokens < 0,
+               "--lens-tokens must be 0 or more"),
+              (args.batch_size < 1, "--batch-size must be at least 1"),
+              (args.num_draft_tokens is not None and not args.draft,
+               "--num-draft-tokens needs --draft"),
+              (args.num_draft_tokens is not None and args.num_draft_tokens < 1,
+               "--num-draft-tokens must be at least 1"),
+              (args.draft == "mtp" and args.num_draft_tokens not in (None, 1),
+               "--draft mtp drafts 1 token at a time (its head predicts one ahead)"),
+              (args.system is not None and not args.chat, "--system needs --chat"),
+              (args.think is not None and not args.chat,
+               f"--{'' if args.think else 'no-'}think needs --chat"),
+              (args.quiet and args.verbose, "--quiet and --verbose ask for opposites"),
+              (args.seed is not None and not 0 <= args.seed < 2**64,
+               "--seed must be from 0 to 2**64 - 1")]
+    for wrong, message in checks:
+        if wrong:
+            ap.error(message)
+    if args.draft and args.num_draft_tokens is None:
+        args.num_draft_tokens = 1 if args.draft == "mtp" else 3
+    if args.lens_tokens is None:
+        args.lens_tokens = 64
+    return args
+
+def read_prompts(args):
+    """Each --prompt's text ("-": stdin's), then --prompts FILE's lines, checked; [None]: none."""
+    if sys.stdin is None:  # closed (<&-)
+        if "-" in (args.prompt or []) or args.chat and not args.prompt and not args.prompts:
+            raise UserError("standard input is closed (<&-), and the prompt is read from it")
+        # A file opened next would get descriptor 0, which MLX's safetensors reader takes for a
+        # failure: it is filled first.
+        os.open(os.devnull, os.O_RDONLY)
+    texts = [as_text(sys.stdin.buffer.read()) if t == "-" else t for t in args.prompt or []]
+    for flag, text in [("--prompt", text) for text in texts] + [("--system", args.system)]:
+        if text is not None:  # bytes that are not UTF-8 reach Python as lone surrogates
+            as_text(text.encode(errors="surrogateescape"), flag)
+    if "" in texts:
+        raise UserError("the prompt is empty (see --help)")
+    if args.prompts is not None:
+        if not os.path.lexists(args.prompts):  # (read_file() would name its folder first)
+            raise UserError(f"{args.prompts} does not exist (--prompts takes a file, one prompt a "
+                            "line)")
+        lines = read_file(Path(args.prompts)).splitlines()
+        texts += [as_text(line, args.prompts) for line in lines if line.strip()]
+        if not lines or not texts:
+            raise UserError(f"{args.prompts} has no prompt (one a line)")
+    if len(texts) > 1 and (args.explain or args.show_probs):
+        raise UserError("--explain and --show-probs show one prompt: give one (see --help)")
+    if len(texts) > 1 and args.draft:
+        raise UserError("--draft decodes one prompt at a time: give one (see --help)")
+    return texts or [None]
+
+def summary(folder, cfg):
+    """The model's line: what runs, its layers, heads and size, the dtype it computes in."""
+    weights, quant = {id(w): w for w in W.values()}.values(), cfg["quantization"]  # tied: once
+    size = f"{sum(w.size for w in weights) / 1e9:.2f}B parameters"
+    if quant:  # packed words: the format and the bytes, not the count
+        size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
+                f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
+    if cfg["group"]:  # what this process holds
+        size += f" on rank 0 of {cfg['group'].size()} (each 1/{cfg['group'].size()} of a block)"
+    name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
+    if MODEL == "qwen3_5":  # and what of it is not run
+        head = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
+        name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {head})"
+        layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
+    return (f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
+            f"{size}, {str(W['model.norm.weight'].dtype).split('.')[-1]}")  # bfloat16, say
+
+# ─── One answer, and its statistics ───
+
+def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, chunk=CHUNK):
+    """One completion: --explain or --show-probs, then the text as it comes (after echo) and the
+    statistics (--quiet: the text alone) -> generated, the new ids, each added as it is printed.
+    keep: (position, list): the list is given the cache as it is at that position of the prompt;
+    chunk: prefill()'s."""
+    held = start + len(prompt_ids)
+    if held >= MAX_POS:
+        raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
+    if held + args.max_tokens > MAX_POS:
+        print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
+    blocks = [] if args.explain else None  # x after each block, for --explain
+    before = list(cache)  # as it is at start, for --explain's pass (the run writes cache)
+    counts, tic = {}, time.perf_counter()  # counts: what --draft drafted and accepted
+    mark, saved = keep or (start, None)  # the prompt in two parts, the cache kept between
+    head, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
+    hidden = hidden_pass(head, cache, start) if args.draft and head else None  # the MTP head's
+    if head and not args.draft:
+        prefill(head, cache, start, chunk=chunk)                      # its logits never computed
+    # Kept at the mark: a DeltaNet state is a new array at every token; the KV buffers are
+    # written over after the mark, before anything reads them.
+    if saved is not None:
+        mx.eval(cache)
+        saved[:] = list(cache)
+    if args.draft:  # every token's hidden state kept, for the MTP head
+        more = hidden_pass(rest, cache, mark, blocks)                 # (L, 1024)
+        hidden = more if hidden is None else mx.concatenate([hidden, more])
+        logits = linear(hidden[-1:], "lm_head")[-1]                   # (vocab,)
+    else:
+        logits = prefill(rest, cache, mark, blocks, chunk)            # (vocab,)
+    if args.explain:
+        explain(prompt_ids, blocks, logits, cache, start, args.show_probs or 5)
+    elif args.show_probs:
+        print("\n".join(bar_row("", token, p) for token, p in top_tokens(logits, args.show_probs)))
+    if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
+        raise not_finite("after the prompt", logits.dtype)
+    print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
+    generated, t_first, sampler = [] if generated is None else generated, None, sampler_of(args)
+    if args.draft:
+        tokens = generate_draft(prompt_ids, args.max_tokens, sampler, args.draft,
+                                args.num_draft_tokens, cache, start, hidden, counts)
+    else:
+        tokens = generate(prompt_ids, args.max_tokens, sampler, cache, start, logits)
+    for token, piece in stream_text(tokens):
+        t_first = t_first or time.perf_counter()  # the first token ends the prefill
+        generated.append(token)
+        print(piece, end="", flush=True)
+    if args.quiet:
+        print(flush=True)
+    else:
+        rate = print_stats(len(prompt_ids), len(generated), tic, t_first or time.perf_counter(),
+                           cache, held)
+    if args.explain and not args.quiet:  # the limit decoding works against: what memory moves
+        speed = bandwidth()
+        print(f"Memory: this machine reads {speed / 1e9:.1f} GB/s (268 MB already in memory, "
+              f"the best of 5): decoding read {100 * rate / speed:.1f}% of it", flush=True)
+    if args.draft and not args.quiet:  # after mlx-lm's lines: what drafting did
+        by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
+        share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
+        print(f"Draft: {counts['drafted']} tokens drafted by {by}, {counts['accepted']} accepted"
+              f"{share}", flush=True)
+    if args.explain:  # after the statistics: their times are the answer's alone
+        answer_forming(prompt_ids, generated, before, start, args, chunk)
+    return generated
+
+def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
+    return partial(sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                   min_p=args.min_p)
+
+def stream_text(token_ids):
+    """Yield (id, the text it adds). A character split over two tokens (emoji, CJK) comes whole."""
+    stream = DecodeStream(skip_special_tokens=False)
+    for token in token_ids:
+        yield token, stream.step(TOK, token) or ""
+
+def print_stats(n_prompt, n, tic, t_first, cache, held):
+    """mlx_lm.generate's lines, counted as it counts (the prompt's rate: to the first token; the
+    generation's: n tokens over the time since the first), then the KV cache's and the bytes a
+    token reads -> the bytes a second decoding read."""
+    rate = n / max(time.perf_counter() - t_first, 1e-9)              # tokens a second
+    print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (t_first - tic):.3f} "
+          "tokens-per-sec")
+    print(f"Generation: {n} tokens, {rate:.3f} tokens-per-sec")
+    peaks = [mx.get_peak_memory()]
+    if GROUP is not None:  # every process's, gathered in one more sum (each fills its own slot)
+        mine = mx.zeros(GROUP.size())
+        mine[GROUP.rank()] = peaks[0]
+        peaks = mx.distributed.all_sum(mine, group=GROUP).tolist()
+    print("Peak memory: " + ", ".join(f"{peak / 1e9:.3f} GB" + (f" (rank {r})" if GROUP else "")
+                                      for r, peak in enumerate(peaks)))
+    print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
+          f"({cache_bytes(cache) / 1e6:.3f} MB allocated)")
+    if MODEL == "qwen3_5":  # the other memory
+        print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
+              f"{cache_bytes(cache, kind='linear_attention') / 1e6:.3f} MB at any length")
+    weights, memory = token_bytes(cache, held + n)
+    print(f"Bytes per token{'' if GROUP is None else ', rank 0'}: {weights / 1e6:.3f} MB of "
+          f"weights + {memory / 1e6:.3f} MB of cache, {(weights + memory) * rate / 1e9:.3f} GB/s "
+          f"at {rate:.3f} tokens-per-sec", flush=True)
+    if GROUP is not None:  # what joining the processes' parts costs a token
+        x = mx.zeros((1, D), W["model.norm.weight"].dtype)            # a block's output, a token
+        seconds = all_sum_seconds(2 * N_LAYERS, x)
+        print(f"All-sums: {2 * N_LAYERS} a token (2 a block) over {GROUP.size()} processes, "
+              f"{x.nbytes / 1e3:.3f} kB each; timed alone, {seconds * 1e3:.3f} ms a token: "
+              f"{100 * seconds * rate:.1f}% of its time", flush=True)
+    return (weights + memory) * rate
+
+def token_bytes(cache, held):
+    """What decoding one token reads -> (its weights' bytes, its cache's): each weight it uses
+    once (the embedding's one row left out, a tied table counted once as the LM head; the MTP
+    head's not at all), the keys and values of held positions, a DeltaNet's notes whole."""
+    skipped = ("model.embed_tokens", "mtp.", f"model.layers.{N_LAYERS}.")
+    used = {id(w): w for name, w in W.items() if not name.startswith(skipped)}  # tied: once
+    return sum(w.nbytes for w in used.values()), \
+        cache_bytes(cache, held) + cache_bytes(cache, kind="linear_attention")
+
+def cache_bytes(cache, held=None, kind="full_attention"):
+    """The keys' and values' bytes of positions 0..held-1 (or all the buffers hold);
+    kind="linear_attention": Qwen3.5's DeltaNet states, the same size at any length."""
+    notes = kind == "linear_attention"
+    layers = [c for i, c in enumerate(cache) if c is not None and deltanet(i) == notes]
+    if notes:
+        return sum(a.nbytes for c in layers for a in c)
+    return sum(keys[:, :held].nbytes + values[:, :held].nbytes for keys, values in layers)
+
+# ─── A batch ───
+
+def reply_batch(texts, prompts, args):
+    """Several prompts (their texts and ids), one continuous batch (generate_batch()): each
+    completion after its prompt, in the prompts' order (--quiet: the completions alone); at a
+    terminal, a progress line meanwhile; then the batch's statistics."""
+    if max(len(ids) for ids in prompts) + args.max_tokens > MAX_POS:
+        print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
+    tic, done, ended = time.perf_counter(), [[] for _ in prompts], []
+    for n, (i, token) in enumerate(generate_batch(prompts, args.max_tokens, sampler_of(args),
+                                                  args.batch_size, ended), 1):
+        done[i].append(token)
+        if sys.stderr.isatty() and n % 8 == 0:
+            print(f"\r[{len(ended)} of {len(prompts)} prompts done, {n} tokens]", end="",
+                  file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - tic
+    print("\r\x1b[K" if sys.stderr.isatty() else "", end="", file=sys.stderr, flush=True)
+    for text, ids in zip(texts, done):
+        completion = "".join(piece for _, piece in stream_text(ids))  # as a single run prints it
+        print(completion if args.quiet else "=" * 10 + "\n" + (f">> {text}\n" if args.chat else
+                                                              text) + completion)
+    if args.quiet:
+        return
+    n, held = sum(len(ids) for ids in done), sum(positions for _, positions in ended)
+    full = N_LAYERS - sum(deltanet(i) for i in range(N_LAYERS))  # its layers with keys and values
+    kv_heads = N_KV // (GROUP.size() if GROUP else 1)  # (several processes: rank 0's)
+    kv = held * full * 2 * kv_heads * D_HEAD * W["model.norm.weight"].dtype.size
+    rows = min(args.batch_size, len(prompts))  # a token of each row shares one read of the weights
+    print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
+          f"--batch-size {args.batch_size}")
+    print(f"Generation: {n} tokens, {n / seconds:.3f} tokens-per-sec (all rows, prefills included)")
+    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    print(f"KV cache: {held} positions in {len(ended)} sequences, {kv / 1e6:.3f} MB (each as it "
+          "ended; at most --batch-size of them held at once)")
+    print(f"Bytes per token, a row of {rows}: {token_bytes([], 0)[0] / rows / 1e6:.3f} MB of "
+          f"weights + {kv / len(ended) / 1e6:.3f} MB of keys and values (their mean at the end)",
+          flush=True)
+
+# ─── Chat ───
+
+STEP = 32  # tokens a chat at a terminal prefills between chances for Ctrl-C (chat_turns())
+
+@contextmanager
+def interruptible():
+    """Inside: Ctrl-C raises KeyboardInterrupt (Python's own handler), for the code to tidy up or
+    stop an answer; after, on every way out: the caller's handler again."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+def converse(args):
+    """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:
+    each turn computes only what its prompt does not share with what the cache holds. At a
+    terminal: line editing and history (readline), the answers alone unless --verbose, and Ctrl-C
+    stops an answer, keeping the conversation (that answer as far as it came) and its cache."""
+    at_terminal = sys.stdin.isatty()
+    if at_terminal:  # a person types: say how to end; answers as quiet as mlx_lm.chat's
+        import readline  # noqa: F401 (input() edits the line and keeps a history with it)
+        print("Type a message and press Enter; an empty line or Ctrl-D ends the chat; Ctrl-C "
+              "stops an answer.", file=sys.stderr)
+        args.quiet = args.quiet or not args.verbose
+        with interruptible():  # the caller's Ctrl-C handler back when the chat ends
+            return chat_turns(args, at_terminal)
+    chat_turns(args, at_terminal)
+
+def chat_turns(args, at_terminal):
+    """converse()'s turns, each line read until an empty one, Ctrl-D or the input's end. At a
+    terminal the prompt is prefilled STEP tokens at a time: MLX computes a step whole, so Ctrl-C
+    takes effect after at most one (a CHUNK's wait would be seconds; prefill elsewhere keeps it)."""
+    turns, cache, cached_ids, saved, mark = [], [None] * N_LAYERS, [], None, 0
+    think = args.think is not False  # (main() has read the template's way into it)
+    while True:
+        try:  # a line typed at the ">> " prompt, or read from a pipe
+            line = input(">> ") if at_terminal else as_text(sys.stdin.buffer.readline())
+        except EOFError:  # Ctrl-D: the chat ends, on a new line
+            print()
+            return
+        turns.append(line.rstrip("\r\n"))
+        if not turns[-1]:  # an empty line, or the end of the input
+            return
+        prompt_ids = tokenize(chat_prompt(turns, args.system, think))
+        reused = shared_positions(cached_ids, prompt_ids)
+        if MODEL == "qwen3_5" and reused < len(cached_ids):
+            # A DeltaNet's notes cannot be cut back: go on from the ones kept at the mark.
+            reused = mark if saved and mark <= reused else 0
+            cache[:] = saved if reused else [None] * N_LAYERS
+        if not args.quiet:
+            print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
+        # The next turn's prompt renders this answer without its thinking, so it parts from this
+        # one right after "<|im_start|>assistant\n": Qwen3.5's cache is kept as it is there.
+        mark = len(prompt_ids) - len(tokenize(chat_prompt([""], None, think)
+                                              .split("<|im_start|>assistant\n")[-1]))
+        saved, generated = [] if MODEL == "qwen3_5" and mark > reused else None, []
+        try:
+            reply(prompt_ids[reused:], args, cache, reused, keep=None if saved is None else
+                  (mark, saved), generated=generated, chunk=STEP if at_terminal else CHUNK)
+            cached_ids = prompt_ids + generated  # what generate() leaves in the cache
+        except KeyboardInterrupt:
+            # Ctrl-C: the answer stops. The cache may hold a token more than was printed (Step 9),
+            # so it is trusted as far as sure, and -1 (no id) sends a DeltaNet back to the mark.
+            print(flush=True)
+            cached_ids = (prompt_ids + generated[:-1] if generated else prompt_ids[:reused]) + [-1]
+        turns.append(TOK.decode(generated))
+
+def chat_prompt(turns, system=None, think=True):
+    """turns: [user, assistant, user, ...] texts, the user's last -> Qwen3's chat prompt. Earlier
+    answers lose their <think>...</think> part, as its template drops it. Qwen3.5's also trims each
+    text and opens the answer's thinking itself ("<think>\n")."""
+    trim = str.strip if MODEL == "qwen3_5" else str  # (str(text) is the text)
+    text = f"<|im_start|>system\n{trim(system)}<|im_end|>\n" if system else ""
+    for i, turn in enumerate(turns):
+        role, turn = ("assistant" if i % 2 else "user"), trim(turn)
+        if role == "assistant" and "</think>" in turn:  # keep what follows the thinking
+            turn = turn.split("</think>")[-1].lstrip("\n")
+        text += f"<|im_start|>{role}\n{turn}<|im_end|>\n"
+    thinking = "<think>\n" if MODEL == "qwen3_5" else ""  # off: an empty think block, in both
+    return text + "<|im_start|>assistant\n" + (thinking if think else "<think>\n\n</think>\n\n")
+
+def thinks_first(folder):
+    """Does the folder's chat template open each answer with thinking unless told not to (Qwen3's,
+    Qwen3.5-4B's and larger), or only when enable_thinking is true (Qwen3.5-0.8B's and 2B's)?
+    Read from its text, not rendered; a folder with no template: yes."""
+    for path in (folder / "chat_template.jinja", folder / "tokenizer_config.json"):
+        if path.exists():  # the .jinja file first, as transformers reads them
+            return b"enable_thinking is defined and enable_thinking is true" not in read_file(path)
+    return True
+
+def shared_positions(cached_ids, prompt_ids):
+    """Cached positions a new prompt keeps: the common prefix, short of the prompt's last token."""
+    return len(os.path.commonprefix([cached_ids, prompt_ids[:-1]]))  # element by element
+
+# ─── Loading, and the file checks ───
 
 class UserError(SystemExit):
     """The user's flags, files or numbers: Python prints "error: " and the message; exit 1."""
@@ -752,6 +1433,7 @@ class UserError(SystemExit):
 # The default folder, beside the script (the article's is ./Qwen3-0.6B/ from wherever it is
 # started), and where it comes from.
 HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
+
 FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "model.safetensors"]
 
@@ -800,17 +1482,20 @@ KINDS = {  # each kind of config value -> what an error line says it must be
     "quantization": 'MLX\'s affine quantisation (not "mxfp4", "nvfp4" or "mxfp8")',
     "layers": 'a list of "linear_attention" and "full_attention", one per layer',
     "share": "a fraction (0 to 1) of head_dim that is even: RoPE turns pairs"}
+
 CONFIG = {  # the config.json entries the model reads -> the kind of value each must hold
     "model_type": "model", "hidden_size": "count", "intermediate_size": "count",
     "num_hidden_layers": "count", "num_attention_heads": "count", "num_key_value_heads": "count",
     "vocab_size": "count", "max_position_embeddings": "count", "head_dim": "even",
     "rms_norm_eps": "positive", "rope_theta": "positive", "tie_word_embeddings": "bool",
     "eos_token_id": "ids", "quantization": "quantization"}
+
 QWEN35_CONFIG = {  # Qwen3.5's own config.json entries (in its text_config) -> their kind
     "layer_types": "layers", "linear_num_key_heads": "count", "linear_num_value_heads": "count",
     "linear_key_head_dim": "count", "linear_value_head_dim": "count",
     "linear_conv_kernel_dim": "count", "partial_rotary_factor": "share",
     "mtp_num_hidden_layers": "mtp"}
+
 UNSUPPORTED = {  # config.json entries that change the math -> (the value computed here, else what)
     "rope_scaling": (None, "a scaled RoPE (YaRN and its kin)"),
     "attention_bias": (False, "biases in the attention projections"),
@@ -929,25 +1614,6 @@ def read_weights(folder, cfg, dtype):
             raise UserError(f"tensor {name} in {source[name]} holds NaN or inf: {why}")
     return weights
 
-def check_split(cfg, n):
-    """N processes each take 1/N of a block's heads and features: N must divide every count (and,
-    quantised, leave whole groups of the numbers a row holds)."""
-    c, hd, q = cfg["qwen35"], cfg["head_dim"], cfg["quantization"]
-    counts = {"query heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"],
-              "MLP features": cfg["intermediate_size"]}
-    if c:
-        counts.update({"DeltaNet key heads": c["linear_num_key_heads"],
-                       "DeltaNet value heads": c["linear_num_value_heads"]})
-    wrong = [f"{count} {what}" for what, count in counts.items() if count % n]
-    inputs = [counts["query heads"] * hd, counts["MLP features"]]  # what o and down read
-    if c:
-        inputs.append(c["linear_num_value_heads"] * c["linear_value_head_dim"])  # out_proj's
-    if q and not wrong and any(width // n % q["group_size"] for width in inputs):
-        wrong.append(f"the quantisation's groups of {q['group_size']}")
-    if wrong:
-        raise UserError(f"{n} processes cannot share this model's blocks: {n} does not divide its "
-                        f"{', '.join(wrong)} (mlx.launch -n: a number that does)")
-
 def expected_shapes(cfg, weights):
     """The tensors the model uses -> the shapes config.json's sizes give them."""
     d, f, v, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
@@ -1012,8 +1678,7 @@ def read_tokenizer(folder, cfg):
                         f"embedding (vocab_size in {folder / 'config.json'}): another model?")
     return tok
 
-
-# ─── Download: a folder, or the Hugging Face Hub ───
+# ─── The download: a folder, or the Hugging Face Hub ───
 
 def model_folder(model, fetch=True):
     """--model -> its folder; the default folder, or a plain owner/name repo id not whole in the
@@ -1154,350 +1819,26 @@ def download_trouble(error, into):
             return f"{e.filename} cannot be written: {e.strerror.lower()}"
     return None
 
+# ─── Several processes ───
 
-# ─── Chat and --explain: the text as it comes, the template, the steps inside ───
-
-def stream_text(token_ids):
-    """Yield (id, the text it adds). A character split over two tokens (emoji, CJK) comes whole."""
-    stream = DecodeStream(skip_special_tokens=False)
-    for token in token_ids:
-        yield token, stream.step(TOK, token) or ""
-
-def chat_prompt(turns, system=None, think=True):
-    """turns: [user, assistant, user, ...] texts, the user's last -> Qwen3's chat prompt. Earlier
-    answers lose their <think>...</think> part, as its template drops it. Qwen3.5's also trims each
-    text and opens the answer's thinking itself ("<think>\n")."""
-    trim = str.strip if MODEL == "qwen3_5" else str  # (str(text) is the text)
-    text = f"<|im_start|>system\n{trim(system)}<|im_end|>\n" if system else ""
-    for i, turn in enumerate(turns):
-        role, turn = ("assistant" if i % 2 else "user"), trim(turn)
-        if role == "assistant" and "</think>" in turn:  # keep what follows the thinking
-            turn = turn.split("</think>")[-1].lstrip("\n")
-        text += f"<|im_start|>{role}\n{turn}<|im_end|>\n"
-    thinking = "<think>\n" if MODEL == "qwen3_5" else ""  # off: an empty think block, in both
-    return text + "<|im_start|>assistant\n" + (thinking if think else "<think>\n\n</think>\n\n")
-
-def thinks_first(folder):
-    """Does the folder's chat template open each answer with thinking unless told not to (Qwen3's,
-    Qwen3.5-4B's and larger), or only when enable_thinking is true (Qwen3.5-0.8B's and 2B's)?
-    Read from its text, not rendered; a folder with no template: yes."""
-    for path in (folder / "chat_template.jinja", folder / "tokenizer_config.json"):
-        if path.exists():  # the .jinja file first, as transformers reads them
-            return b"enable_thinking is defined and enable_thinking is true" not in read_file(path)
-    return True
-
-def shared_positions(cached_ids, prompt_ids):
-    """Cached positions a new prompt keeps: the common prefix, short of the prompt's last token."""
-    return len(os.path.commonprefix([cached_ids, prompt_ids[:-1]]))  # element by element
-
-def cache_bytes(cache, held=None, kind="full_attention"):
-    """The keys' and values' bytes of positions 0..held-1 (or all the buffers hold);
-    kind="linear_attention": Qwen3.5's DeltaNet states, the same size at any length."""
-    notes = kind == "linear_attention"
-    layers = [c for i, c in enumerate(cache) if c is not None and deltanet(i) == notes]
-    if notes:
-        return sum(a.nbytes for c in layers for a in c)
-    return sum(keys[:, :held].nbytes + values[:, :held].nbytes for keys, values in layers)
-
-def shown(token):  # a token's text, quoted (a leading space shows), special tokens by name
-    return repr(TOK.decode([token], skip_special_tokens=False))
-
-def top_tokens(logits, k, where="the prompt"):
-    """logits (vocab,) -> the k likeliest tokens [(id, probability)], softmax at temperature 1."""
-    probs = mx.softmax(logits.astype(mx.float32))                     # (vocab,)
-    if not mx.isfinite(probs).all().item():
-        raise not_finite(f"after {where}", logits.dtype)
-    top = mx.argsort(-probs)[:k].tolist()                             # (k,) likeliest first
-    return [(t, probs[t].item()) for t in top]
-
-def bar_row(label, token, p):  # a row of a probability table: 30 blocks for p = 1
-    return f"{label:>10} {shown(token):>18} {p:<8.4g}{'█' * round(30 * p)}"
-
-def explain(prompt_ids, blocks, logits, cache, start, k):
-    """--explain, before the answer: the tokens, the top k next tokens, then where the prompt's
-    last token looks in each attention block (blocks: its x after each)."""
-    print("tokens:", ", ".join(f"{shown(t)} {t}" for t in prompt_ids))
-    print(f"embedding: {embed(prompt_ids).shape}")
-    print(f"the next token: the model's top {k}")
-    print("\n".join(bar_row("", token, p) for token, p in top_tokens(logits, k)))
-    heads = "heads" if GROUP is None else f"rank 0's {N_HEADS // GROUP.size()} heads of {N_HEADS}"
-    print("where the last token looks: each attention block's 3 heaviest tokens of the prompt "
-          f"(averaged over {heads})")
-    for i, weights in attention_looks(prompt_ids, blocks, cache, start):
-        weights = weights[start:].tolist()                            # the prompt's positions
-        top = sorted(range(len(weights)), key=weights.__getitem__, reverse=True)[:3]
-        for n, j in enumerate(top):
-            print(bar_row(f"block {i}" if n == 0 else "", prompt_ids[j], weights[j]))
-        print(f"{'':>10} {'rest':>18} {1 - sum(weights[j] for j in top):<8.4g}")
-    delta = [str(i + 1) for i in range(N_LAYERS) if deltanet(i)]
-    if delta:
-        print(f"blocks {', '.join(delta)}: Gated DeltaNet, compressed notes: no such weights")
-
-def attention_looks(prompt_ids, blocks, cache, start=0):
-    """Where the prompt's last token looks, in each full-attention block: Step 5's scores and
-    softmax run once more for its query, on the keys the cache holds (memory: S per head) ->
-    [(block, (S,))], averaged over heads. blocks: x after each block, for the last token."""
-    S = start + len(prompt_ids)
-    last, looks = mx.array([S - 1]), []
-    for i in [i for i in range(N_LAYERS) if not deltanet(i)]:
-        x = embed(prompt_ids[-1:]) if i == 0 else blocks[i - 1]       # (1, D) block i's input
-        h = rms_norm(x, W[f"model.layers.{i}.input_layernorm.weight"], EPS)
-        if MODEL == "qwen3_5":
-            q = gated_queries(h, i, last)[0]                          # (1, heads, hd)
-        else:
-            rope = rope_tables(last, h.dtype)
-            q = queries_keys_values(h, f"model.layers.{i}.self_attn.", rope)[0]
-        keys = cache[i][0][:, :S]                                     # (KV, S, hd)
-        by_kv = q.reshape(keys.shape[0], -1, keys.shape[-1])          # (KV, 2, hd) as attend()'s
-        scores = masked_scores(by_kv @ keys.swapaxes(-1, -2), mx.array(True), math.sqrt(
-            keys.shape[-1]))                                          # (KV, 2, S) all visible
-        looks.append((i + 1, mx.softmax(scores, axis=-1).reshape(-1, S).mean(axis=0)))  # (S,)
-    return looks
-
-def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
-    """The logit lens (nostalgebraist, 2020) over an answer. token_ids (the prompt, then the answer
-    but its last id) at positions start.. run once more, on a cache of their own that goes on from
-    cache as it was at start (cache itself is never written); at each of the last len(written)
-    positions, each block's output goes through the final RMSNorm and the LM head, as though the
-    model ended after that block -> top, p, p_top (blocks, len(written)): each block's likeliest
-    next token, the probability it gives the token written there, and its top one's. Memory: the
-    positions' ids and cache, and one block's logits for a chunk of them at a time. progress: a
-    line on stderr at a terminal, taken away on every way out."""
-    first = len(token_ids) - len(written)                             # the first column's place
-    if first < 0:
-        raise ValueError(f"{len(written)} ids written after {len(token_ids)} positions")
-    # Keys and values cut at start: the first write past it grows them into new buffers, and so
-    # never lands in the run's. A DeltaNet's notes are new arrays at every token.
-    own = [None if c is None else c[:2] if deltanet(i) else (c[0][:, :start], c[1][:, :start])
-           for i, c in enumerate(cache)]
-    rows = [[(mx.zeros(0, mx.uint32), mx.zeros(0), mx.zeros(0))] for _ in range(N_LAYERS)]
-    progress, shown = progress and sys.stderr.isatty(), ""  # shown: the progress line
-    try:
-        for i in range(0, len(token_ids), chunk):
-            ids, blocks = token_ids[i:i + chunk], []
-            forward(ids, own, start + i, blocks)                      # its logits never computed
-            at = max(first - i, 0)                                    # the chunk's first column
-            if at < len(ids):  # columns in this chunk
-                wrote = mx.array(written[i + at - first:i + len(ids) - first])  # (C,)
-                for b, (row, x) in enumerate(zip(rows, blocks), 1):
-                    # Its own final norm: lm_head() normalises this block's x by its own size.
-                    logits = lm_head(x[at:]).astype(mx.float32)       # (C, vocab)
-                    lse = mx.logsumexp(logits, axis=-1)               # (C,) softmax's divisor
-                    chosen = mx.take_along_axis(logits, wrote[:, None], axis=-1)[:, 0]  # (C,)
-                    row.append((mx.argmax(logits, axis=-1), mx.exp(chosen - lse),
-                                 mx.exp(logits.max(axis=-1) - lse)))  # (C,) each
-                    mx.eval(row[-1])                                  # all that is kept of them
-                    if not mx.isfinite(row[-1][1]).all().item():
-                        raise not_finite(f"of block {b}'s logit lens", x.dtype)
-                    if progress:
-                        shown = (f"[the logit lens: positions {i + len(ids)} of "
-                                 f"{len(token_ids)}, block {b} of {N_LAYERS}]")
-                        print(f"\r{shown}", end="", file=sys.stderr, flush=True)
-            mx.eval(own)
-    finally:  # the line blanked (spaces: a dumb terminal has no codes to clear it)
-        print(f"\r{' ' * len(shown)}\r" if shown else "", end="", file=sys.stderr, flush=True)
-    return [mx.stack([mx.concatenate([r[k] for r in row]) for row in rows]) for k in range(3)]
-
-# GPT-2's byte-level alphabet, which Qwen's tokenizer.json spells its tokens in: a byte that is a
-# printable Latin-1 character is itself, the others are chr(256), chr(257), ... in order.
-PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
-BYTE_OF = {chr(b): b for b in PRINTABLE} | {
-    chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in PRINTABLE)}
-SHADES = "▁▂▃▄▅▆▇█"  # a probability under 1/8, under 2/8, ..., 7/8 or more
-CELL = 7  # the terminal columns of a token's text in a cell of the picture
-
-def cell_text(token, width=CELL):
-    """A token's text in exactly width terminal columns: a space as ·, a newline as ↵, a wide
-    character in two, a part of a UTF-8 character as its bytes (<0xE4>), a whole one that prints
-    nothing as its code point (U+00A0); a longer text is cut with … between characters."""
-    spelt = TOK.id_to_token(token)  # None: a row of the LM head past the tokenizer's tokens
-    text = f"#{token}" if spelt is None else TOK.decode([token], skip_special_tokens=False)
-    if "\ufffd" in text and all(c in BYTE_OF for c in spelt):  # a piece of a character
-        text = bytes(BYTE_OF[c] for c in spelt).decode(errors="surrogateescape")
-    parts = []  # [what shows, its columns]: a character with the marks on it, or a stand-in
-    for c in text:
-        if "\udc80" <= c <= "\udcff":  # a byte that is no whole character (surrogateescape's)
-            parts.append([f"<0x{ord(c) - 0xDC00:02X}>", 6])
-        elif unicodedata.category(c) in ("Mn", "Me"):  # a mark: on the one before, or on ◌
-            shown, n = parts.pop() if parts else ["◌", 1]
-            parts.append([shown + c, max(n, 2 if c == "\ufe0f" else 1)])
-        elif not c.isprintable() and c not in " \n":
-            parts.append([f"U+{ord(c):04X}", len(f"U+{ord(c):04X}")])
-        else:  # (U+FE0F above: the emoji form, two columns wide)
-            wide = unicodedata.east_asian_width(c) in ("W", "F")
-            parts.append([{" ": "·", "\n": "↵"}.get(c, c), 2 if wide else 1])
-    room = width if sum(n for _, n in parts) <= width else width - 1  # a cut one ends with …
-    kept, used = "", 0
-    for part, n in parts:
-        if used + n > room:
-            break
-        kept, used = kept + part, used + n
-    if room < width:
-        kept, used = kept + "…", used + 1
-    return kept + " " * (width - used)
-
-def shade(p, colour):  # a probability -> a glyph, or a 256-colour grey background and its text
-    level = min(int(p * 8), 7)
-    if colour:  # (a cell's text then goes on in this colour, until "\x1b[0m")
-        return f"\x1b[48;5;{233 + 3 * level};38;5;{232 if level > 3 else 255}m "
-    return SHADES[level]
-
-def lens_picture(top, p, written, read, colour=False, screen=80, number=1):
-    """The logit lens as lines of text, in panels of as many columns as fit screen: a row per
-    block, the last on top; a cell per answer token (numbered from number): the block's likeliest
-    token, shaded by the probability it gave the token written, ✓ where it is that token; under
-    them, the token each column read. top, p: logit_lens()'s, as lists."""
-    label, end = len(f"block {N_LAYERS}") + 1, "\x1b[0m" if colour else ""
-    per = max(1, (screen - label) // (CELL + 3))                      # columns in a panel
-    lines = []
-    for c0 in range(0, len(written), per):
-        cols = range(c0, min(c0 + per, len(written)))
-        if c0:
-            lines.append("")  # between panels
-        numbers = "".join(f" {number + j:<{CELL + 2}}" for j in cols)  # the answer's tokens
-        lines.append(f"{'token':<{label}}{numbers}".rstrip())
-        for b in reversed(range(N_LAYERS)):
-            lines.append(f"{f'block {b + 1}':<{label}}" + " ".join(
-                shade(p[b][j], colour) + cell_text(top[b][j])
-                + ("✓" if top[b][j] == written[j] else " ") + end for j in cols))
-        lines.append(f"{'read':<{label}}" + " ".join(f" {cell_text(read[j])} " for j in cols))
-    return lines
-
-def answer_forming(prompt_ids, generated, cache, start, args, chunk=CHUNK):
-    """--explain, after the answer: the logit lens over its last --lens-tokens tokens (0: all),
-    drawn. cache: as it was at start, before the prompt; generated: the answer's ids; chunk:
-    logit_lens()'s. Ctrl-C in a chat stops the picture, the answer and the chat kept."""
-    if not generated:
-        print("the answer forming: no token was written (the first was an end-of-sequence id)")
-        return
-    n = min(args.lens_tokens or len(generated), len(generated))      # the columns drawn
-    skipped, token_ids = len(generated) - n, prompt_ids + generated[:-1]  # (the last: unread)
-    print("the answer forming: each block's likeliest next token, had the model ended there\n"
-          f"(the logit lens, nostalgebraist 2020; it costs a pass over {len(token_ids)} positions, "
-          f"as a\nprefill's, and {N_LAYERS} x {n} LM heads, "
-          f"{N_LAYERS * n * D * len(W['lm_head.weight']):.1e} multiply-adds more)", flush=True)
-    if skipped:
-        print(f"[the answer's last {n} tokens of {len(generated)}; --lens-tokens 0: all of them]")
-    try:
-        top, p, p_top = (a.tolist() for a in logit_lens(
-            token_ids, generated[skipped:], cache, start, chunk, progress=True))
-    except KeyboardInterrupt:
-        print("[the answer forming: stopped]", flush=True)
-        if not args.chat:  # (a plain run ends at Ctrl-C; a caller's loop is stopped by it)
-            raise
-        return
-    colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get(
-        "TERM") != "dumb"  # else a glyph
-    ramp = "".join(shade(i / 8, colour) for i in range(8)) + ("\x1b[0m" if colour else "")
-    print(f"{ramp} how likely the block found the token written (<1/8..7/8+); ✓ that token")
-    print("\n".join(lens_picture(top, p, generated[skipped:], token_ids[len(token_ids) - n:],
-                                 colour, shutil.get_terminal_size().columns, skipped + 1)))
-    dtype = str(W["model.norm.weight"].dtype).split(".")[-1]
-    for j in range(n):  # greedy: the top row is the answer, but where this pass breaks a tie
-        if args.temperature == 0 and top[-1][j] != generated[skipped + j]:
-            print(f"[note: token {skipped + j + 1}: the top row's {p_top[-1][j]:.4f} against "
-                  f"{p[-1][j]:.4f} for the token written, a near-tie this pass, summing in "
-                  f"another order in {dtype}, broke the other way]")
-
-def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, chunk=CHUNK):
-    """One completion: --explain or --show-probs, then the text as it comes (after echo) and the
-    statistics (--quiet: the text alone) -> generated, the new ids, each added as it is printed.
-    keep: (position, list): the list is given the cache as it is at that position of the prompt;
-    chunk: prefill()'s."""
-    held = start + len(prompt_ids)
-    if held >= MAX_POS:
-        raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
-    if held + args.max_tokens > MAX_POS:
-        print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
-    blocks = [] if args.explain else None  # x after each block, for --explain
-    before = list(cache)  # as it is at start, for --explain's pass (the run writes cache)
-    counts, tic = {}, time.perf_counter()  # counts: what --draft drafted and accepted
-    mark, saved = keep or (start, None)  # the prompt in two parts, the cache kept between
-    head, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
-    hidden = hidden_pass(head, cache, start) if args.draft and head else None  # the MTP head's
-    if head and not args.draft:
-        prefill(head, cache, start, chunk=chunk)                      # its logits never computed
-    # Kept at the mark: a DeltaNet state is a new array at every token; the KV buffers are
-    # written over after the mark, before anything reads them.
-    if saved is not None:
-        mx.eval(cache)
-        saved[:] = list(cache)
-    if args.draft:  # every token's hidden state kept, for the MTP head
-        more = hidden_pass(rest, cache, mark, blocks)                 # (L, 1024)
-        hidden = more if hidden is None else mx.concatenate([hidden, more])
-        logits = linear(hidden[-1:], "lm_head")[-1]                   # (vocab,)
-    else:
-        logits = prefill(rest, cache, mark, blocks, chunk)            # (vocab,)
-    if args.explain:
-        explain(prompt_ids, blocks, logits, cache, start, args.show_probs or 5)
-    elif args.show_probs:
-        print("\n".join(bar_row("", token, p) for token, p in top_tokens(logits, args.show_probs)))
-    if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
-        raise not_finite("after the prompt", logits.dtype)
-    print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
-    generated, t_first, sampler = [] if generated is None else generated, None, sampler_of(args)
-    if args.draft:
-        tokens = generate_draft(prompt_ids, args.max_tokens, sampler, args.draft,
-                                args.num_draft_tokens, cache, start, hidden, counts)
-    else:
-        tokens = generate(prompt_ids, args.max_tokens, sampler, cache, start, logits)
-    for token, piece in stream_text(tokens):
-        t_first = t_first or time.perf_counter()  # the first token ends the prefill
-        generated.append(token)
-        print(piece, end="", flush=True)
-    if args.quiet:
-        print(flush=True)
-    else:
-        rate = print_stats(len(prompt_ids), len(generated), tic, t_first or time.perf_counter(),
-                           cache, held)
-    if args.explain and not args.quiet:  # the limit decoding works against: what memory moves
-        speed = bandwidth()
-        print(f"Memory: this machine reads {speed / 1e9:.1f} GB/s (268 MB already in memory, "
-              f"the best of 5): decoding read {100 * rate / speed:.1f}% of it", flush=True)
-    if args.draft and not args.quiet:  # after mlx-lm's lines: what drafting did
-        by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
-        share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
-        print(f"Draft: {counts['drafted']} tokens drafted by {by}, {counts['accepted']} accepted"
-              f"{share}", flush=True)
-    if args.explain:  # after the statistics: their times are the answer's alone
-        answer_forming(prompt_ids, generated, before, start, args, chunk)
-    return generated
-
-def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
-    return partial(sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                   min_p=args.min_p)
-
-def print_stats(n_prompt, n, tic, t_first, cache, held):
-    """mlx_lm.generate's lines, counted as it counts (the prompt's rate: to the first token; the
-    generation's: n tokens over the time since the first), then the KV cache's and the bytes a
-    token reads -> the bytes a second decoding read."""
-    rate = n / max(time.perf_counter() - t_first, 1e-9)              # tokens a second
-    print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (t_first - tic):.3f} "
-          "tokens-per-sec")
-    print(f"Generation: {n} tokens, {rate:.3f} tokens-per-sec")
-    peaks = [mx.get_peak_memory()]
-    if GROUP is not None:  # every process's, gathered in one more sum (each fills its own slot)
-        mine = mx.zeros(GROUP.size())
-        mine[GROUP.rank()] = peaks[0]
-        peaks = mx.distributed.all_sum(mine, group=GROUP).tolist()
-    print("Peak memory: " + ", ".join(f"{peak / 1e9:.3f} GB" + (f" (rank {r})" if GROUP else "")
-                                      for r, peak in enumerate(peaks)))
-    print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
-          f"({cache_bytes(cache) / 1e6:.3f} MB allocated)")
-    if MODEL == "qwen3_5":  # the other memory
-        print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
-              f"{cache_bytes(cache, kind='linear_attention') / 1e6:.3f} MB at any length")
-    weights, memory = token_bytes(cache, held + n)
-    print(f"Bytes per token{'' if GROUP is None else ', rank 0'}: {weights / 1e6:.3f} MB of "
-          f"weights + {memory / 1e6:.3f} MB of cache, {(weights + memory) * rate / 1e9:.3f} GB/s "
-          f"at {rate:.3f} tokens-per-sec", flush=True)
-    if GROUP is not None:  # what joining the processes' parts costs a token
-        x = mx.zeros((1, D), W["model.norm.weight"].dtype)            # a block's output, a token
-        seconds = all_sum_seconds(2 * N_LAYERS, x)
-        print(f"All-sums: {2 * N_LAYERS} a token (2 a block) over {GROUP.size()} processes, "
-              f"{x.nbytes / 1e3:.3f} kB each; timed alone, {seconds * 1e3:.3f} ms a token: "
-              f"{100 * seconds * rate:.1f}% of its time", flush=True)
-    return (weights + memory) * rate
+def check_split(cfg, n):
+    """N processes each take 1/N of a block's heads and features: N must divide every count (and,
+    quantised, leave whole groups of the numbers a row holds)."""
+    c, hd, q = cfg["qwen35"], cfg["head_dim"], cfg["quantization"]
+    counts = {"query heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"],
+              "MLP features": cfg["intermediate_size"]}
+    if c:
+        counts.update({"DeltaNet key heads": c["linear_num_key_heads"],
+                       "DeltaNet value heads": c["linear_num_value_heads"]})
+    wrong = [f"{count} {what}" for what, count in counts.items() if count % n]
+    inputs = [counts["query heads"] * hd, counts["MLP features"]]  # what o and down read
+    if c:
+        inputs.append(c["linear_num_value_heads"] * c["linear_value_head_dim"])  # out_proj's
+    if q and not wrong and any(width // n % q["group_size"] for width in inputs):
+        wrong.append(f"the quantisation's groups of {q['group_size']}")
+    if wrong:
+        raise UserError(f"{n} processes cannot share this model's blocks: {n} does not divide its "
+                        f"{', '.join(wrong)} (mlx.launch -n: a number that does)")
 
 def all_sum_seconds(n, x, tries=3):
     """n all-sums of x over GROUP, each of the last one's sum (as a token's: each block needs the
@@ -1510,322 +1851,6 @@ def all_sum_seconds(n, x, tries=3):
         mx.eval(y)
         best = min(best, time.perf_counter() - tic)
     return best
-
-def token_bytes(cache, held):
-    """What decoding one token reads -> (its weights' bytes, its cache's): each weight it uses
-    once (the embedding's one row left out, a tied table counted once as the LM head; the MTP
-    head's not at all), the keys and values of held positions, a DeltaNet's notes whole."""
-    skipped = ("model.embed_tokens", "mtp.", f"model.layers.{N_LAYERS}.")
-    used = {id(w): w for name, w in W.items() if not name.startswith(skipped)}  # tied: once
-    return sum(w.nbytes for w in used.values()), \
-        cache_bytes(cache, held) + cache_bytes(cache, kind="linear_attention")
-
-def bandwidth(size=2**28, tries=5):
-    """This machine's memory speed for what bounds decoding, bytes a second: reading size bytes
-    already written and resident (the largest of their 32-bit words: integer work, light enough
-    that the reading takes the time, with no page faults timed), the best of tries."""
-    words = mx.zeros(size // 4, mx.uint32)                            # written before any timing
-    mx.eval(words)
-    best = math.inf
-    for _ in range(tries):
-        tic = time.perf_counter()
-        mx.eval(words.max())
-        best = min(best, time.perf_counter() - tic)
-    return size / best
-
-def reply_batch(texts, prompts, args):
-    """Several prompts (their texts and ids), one continuous batch (generate_batch()): each
-    completion after its prompt, in the prompts' order (--quiet: the completions alone); at a
-    terminal, a progress line meanwhile; then the batch's statistics."""
-    if max(len(ids) for ids in prompts) + args.max_tokens > MAX_POS:
-        print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
-    tic, done, ended = time.perf_counter(), [[] for _ in prompts], []
-    for n, (i, token) in enumerate(generate_batch(prompts, args.max_tokens, sampler_of(args),
-                                                  args.batch_size, ended), 1):
-        done[i].append(token)
-        if sys.stderr.isatty() and n % 8 == 0:
-            print(f"\r[{len(ended)} of {len(prompts)} prompts done, {n} tokens]", end="",
-                  file=sys.stderr, flush=True)
-    seconds = time.perf_counter() - tic
-    print("\r\x1b[K" if sys.stderr.isatty() else "", end="", file=sys.stderr, flush=True)
-    for text, ids in zip(texts, done):
-        completion = "".join(piece for _, piece in stream_text(ids))  # as a single run prints it
-        print(completion if args.quiet else "=" * 10 + "\n" + (f">> {text}\n" if args.chat else
-                                                              text) + completion)
-    if args.quiet:
-        return
-    n, held = sum(len(ids) for ids in done), sum(positions for _, positions in ended)
-    full = N_LAYERS - sum(deltanet(i) for i in range(N_LAYERS))  # its layers with keys and values
-    kv_heads = N_KV // (GROUP.size() if GROUP else 1)  # (several processes: rank 0's)
-    kv = held * full * 2 * kv_heads * D_HEAD * W["model.norm.weight"].dtype.size
-    rows = min(args.batch_size, len(prompts))  # a token of each row shares one read of the weights
-    print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
-          f"--batch-size {args.batch_size}")
-    print(f"Generation: {n} tokens, {n / seconds:.3f} tokens-per-sec (all rows, prefills included)")
-    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-    print(f"KV cache: {held} positions in {len(ended)} sequences, {kv / 1e6:.3f} MB (each as it "
-          "ended; at most --batch-size of them held at once)")
-    print(f"Bytes per token, a row of {rows}: {token_bytes([], 0)[0] / rows / 1e6:.3f} MB of "
-          f"weights + {kv / len(ended) / 1e6:.3f} MB of keys and values (their mean at the end)",
-          flush=True)
-
-STEP = 32  # tokens a chat at a terminal prefills between chances for Ctrl-C (chat_turns())
-
-@contextmanager
-def interruptible():
-    """Inside: Ctrl-C raises KeyboardInterrupt (Python's own handler), for the code to tidy up or
-    stop an answer; after, on every way out: the caller's handler again."""
-    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, handler)
-
-def converse(args):
-    """--chat without --prompt: a conversation, one turn per line, the KV cache kept between turns:
-    each turn computes only what its prompt does not share with what the cache holds. At a
-    terminal: line editing and history (readline), the answers alone unless --verbose, and Ctrl-C
-    stops an answer, keeping the conversation (that answer as far as it came) and its cache."""
-    at_terminal = sys.stdin.isatty()
-    if at_terminal:  # a person types: say how to end; answers as quiet as mlx_lm.chat's
-        import readline  # noqa: F401 (input() edits the line and keeps a history with it)
-        print("Type a message and press Enter; an empty line or Ctrl-D ends the chat; Ctrl-C "
-              "stops an answer.", file=sys.stderr)
-        args.quiet = args.quiet or not args.verbose
-        with interruptible():  # the caller's Ctrl-C handler back when the chat ends
-            return chat_turns(args, at_terminal)
-    chat_turns(args, at_terminal)
-
-def chat_turns(args, at_terminal):
-    """converse()'s turns, each line read until an empty one, Ctrl-D or the input's end. At a
-    terminal the prompt is prefilled STEP tokens at a time: MLX computes a step whole, so Ctrl-C
-    takes effect after at most one (a CHUNK's wait would be seconds; prefill elsewhere keeps it)."""
-    turns, cache, cached_ids, saved, mark = [], [None] * N_LAYERS, [], None, 0
-    think = args.think is not False  # (main() has read the template's way into it)
-    while True:
-        try:  # a line typed at the ">> " prompt, or read from a pipe
-            line = input(">> ") if at_terminal else as_text(sys.stdin.buffer.readline())
-        except EOFError:  # Ctrl-D: the chat ends, on a new line
-            print()
-            return
-        turns.append(line.rstrip("\r\n"))
-        if not turns[-1]:  # an empty line, or the end of the input
-            return
-        prompt_ids = tokenize(chat_prompt(turns, args.system, think))
-        reused = shared_positions(cached_ids, prompt_ids)
-        if MODEL == "qwen3_5" and reused < len(cached_ids):
-            # A DeltaNet's notes cannot be cut back: go on from the ones kept at the mark.
-            reused = mark if saved and mark <= reused else 0
-            cache[:] = saved if reused else [None] * N_LAYERS
-        if not args.quiet:
-            print(f"[KV cache: {reused} tokens reused, {len(prompt_ids) - reused} new to prefill]")
-        # The next turn's prompt renders this answer without its thinking, so it parts from this
-        # one right after "<|im_start|>assistant\n": Qwen3.5's cache is kept as it is there.
-        mark = len(prompt_ids) - len(tokenize(chat_prompt([""], None, think)
-                                              .split("<|im_start|>assistant\n")[-1]))
-        saved, generated = [] if MODEL == "qwen3_5" and mark > reused else None, []
-        try:
-            reply(prompt_ids[reused:], args, cache, reused, keep=None if saved is None else
-                  (mark, saved), generated=generated, chunk=STEP if at_terminal else CHUNK)
-            cached_ids = prompt_ids + generated  # what generate() leaves in the cache
-        except KeyboardInterrupt:
-            # Ctrl-C: the answer stops. The cache may hold a token more than was printed (Step 9),
-            # so it is trusted as far as sure, and -1 (no id) sends a DeltaNet back to the mark.
-            print(flush=True)
-            cached_ids = (prompt_ids + generated[:-1] if generated else prompt_ids[:reused]) + [-1]
-        turns.append(TOK.decode(generated))
-
-
-# ─── The command line: flags, prompts, main() ───
-
-def as_text(data, source="standard input"):
-    """Bytes (standard input, or a flag given as bytes) -> text; not UTF-8: a UserError."""
-    try:
-        return data.decode()
-    except UnicodeDecodeError as e:
-        raise UserError(f"{source} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-class Flags(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own: its usage, then exit 2; ours: one line
-        raise UserError(f"{message} (see --help)")
-
-def parse_args(argv):
-    """The flags (mlx_lm.generate's names where it has the flag); every value checked first."""
-    ap = Flags(description="Qwen3 text generation from scratch with MLX.",
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add = ap.add_argument
-    add("--model", default=str(HERE / "Qwen3-0.6B"), help="a folder, or a Hugging Face repo id")
-    add("--prompt", "-p", action="append", help='"-" reads stdin; given again: a batch '
-        '(none: "The capital of France is")')
-    add("--prompts", metavar="FILE", help="one prompt a line, decoded as a batch")
-    add("--batch-size", type=int, default=8, metavar="N", help="most rows decoded at once")
-    add("--max-tokens", "-m", type=int, default=100, help="most tokens generated")
-    add("--temperature", "--temp", type=float, default=0.0, help="0: greedy")
-    add("--top-p", type=float, default=1.0, help="sample from this much probability")
-    add("--top-k", type=int, default=0, help="sample from the K likeliest (0: all)")
-    add("--min-p", type=float, default=0.0, help="none under this x the likeliest's")
-    add("--seed", type=int, help="makes sampling reproducible")
-    add("--draft", choices=["mtp", "lookup"], help="draft with Qwen3.5's MTP head, or by lookup")
-    add("--num-draft-tokens", type=int, metavar="K", help="drafted at a time (mtp: 1, lookup: 3)")
-    add("--chat", action="store_true", help="chat template; without --prompt: a chat")
-    add("--system", help="system message, with --chat")
-    thinking = ap.add_mutually_exclusive_group()  # (argparse says when both are given)
-    thinking.add_argument("--think", dest="think", action="store_const", const=True,
-                          help="thinking on, with --chat (neither flag: as its template says)")
-    thinking.add_argument("--no-think", dest="think", action="store_const", const=False,
-                          help="thinking off, with --chat")
-    add("--dtype", choices=["bfloat16", "float16", "float32"], help="none: the weights' own")
-    add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
-    add("--explain", action="store_true", help="the steps inside (chat: each turn's)")
-    add("--lens-tokens", type=int, metavar="N",
-        help="--explain's picture: the answer's last N tokens (0: all; none given: 64)")
-    add("--quiet", "-q", action="store_true", help="print the completion only")
-    add("--verbose", action="store_true", help="a chat at a terminal: each answer's statistics")
-    args = ap.parse_args(argv)
-    checks = [(args.max_tokens < 1, "--max-tokens must be at least 1"),
-              (not args.temperature >= 0, "--temperature must be 0 or more"),
-              (not 0 < args.top_p <= 1, "--top-p must be more than 0 and at most 1"),
-              (args.top_k < 0, "--top-k must be 0 or more"),
-              (not 0 <= args.min_p <= 1, "--min-p must be from 0 to 1"),
-              (args.show_probs < 0, "--show-probs must be 0 or more"),
-              (args.lens_tokens is not None and not args.explain, "--lens-tokens needs --explain"),
-              (args.lens_tokens is not None and args.lens_tokens < 0,
-               "--lens-tokens must be 0 or more"),
-              (args.batch_size < 1, "--batch-size must be at least 1"),
-              (args.num_draft_tokens is not None and not args.draft,
-               "--num-draft-tokens needs --draft"),
-              (args.num_draft_tokens is not None and args.num_draft_tokens < 1,
-               "--num-draft-tokens must be at least 1"),
-              (args.draft == "mtp" and args.num_draft_tokens not in (None, 1),
-               "--draft mtp drafts 1 token at a time (its head predicts one ahead)"),
-              (args.system is not None and not args.chat, "--system needs --chat"),
-              (args.think is not None and not args.chat,
-               f"--{'' if args.think else 'no-'}think needs --chat"),
-              (args.quiet and args.verbose, "--quiet and --verbose ask for opposites"),
-              (args.seed is not None and not 0 <= args.seed < 2**64,
-               "--seed must be from 0 to 2**64 - 1")]
-    for wrong, message in checks:
-        if wrong:
-            ap.error(message)
-    if args.draft and args.num_draft_tokens is None:
-        args.num_draft_tokens = 1 if args.draft == "mtp" else 3
-    if args.lens_tokens is None:
-        args.lens_tokens = 64
-    return args
-
-def read_prompts(args):
-    """Each --prompt's text ("-": stdin's), then --prompts FILE's lines, checked; [None]: none."""
-    if sys.stdin is None:  # closed (<&-)
-        if "-" in (args.prompt or []) or args.chat and not args.prompt and not args.prompts:
-            raise UserError("standard input is closed (<&-), and the prompt is read from it")
-        # A file opened next would get descriptor 0, which MLX's safetensors reader takes for a
-        # failure: it is filled first.
-        os.open(os.devnull, os.O_RDONLY)
-    texts = [as_text(sys.stdin.buffer.read()) if t == "-" else t for t in args.prompt or []]
-    for flag, text in [("--prompt", text) for text in texts] + [("--system", args.system)]:
-        if text is not None:  # bytes that are not UTF-8 reach Python as lone surrogates
-            as_text(text.encode(errors="surrogateescape"), flag)
-    if "" in texts:
-        raise UserError("the prompt is empty (see --help)")
-    if args.prompts is not None:
-        if not os.path.lexists(args.prompts):  # (read_file() would name its folder first)
-            raise UserError(f"{args.prompts} does not exist (--prompts takes a file, one prompt a "
-                            "line)")
-        lines = read_file(Path(args.prompts)).splitlines()
-        texts += [as_text(line, args.prompts) for line in lines if line.strip()]
-        if not lines or not texts:
-            raise UserError(f"{args.prompts} has no prompt (one a line)")
-    if len(texts) > 1 and (args.explain or args.show_probs):
-        raise UserError("--explain and --show-probs show one prompt: give one (see --help)")
-    if len(texts) > 1 and args.draft:
-        raise UserError("--draft decodes one prompt at a time: give one (see --help)")
-    return texts or [None]
-
-def summary(folder, cfg):
-    """The model's line: what runs, its layers, heads and size, the dtype it computes in."""
-    weights, quant = {id(w): w for w in W.values()}.values(), cfg["quantization"]  # tied: once
-    size = f"{sum(w.size for w in weights) / 1e9:.2f}B parameters"
-    if quant:  # packed words: the format and the bytes, not the count
-        size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
-                f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
-    if cfg["group"]:  # what this process holds
-        size += f" on rank 0 of {cfg['group'].size()} (each 1/{cfg['group'].size()} of a block)"
-    name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
-    if MODEL == "qwen3_5":  # and what of it is not run
-        head = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
-        name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {head})"
-        layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
-    return (f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
-            f"{size}, {str(W['model.norm.weight'].dtype).split('.')[-1]}")  # bfloat16, say
-
-def main(argv=None):
-    group = mx.distributed.init()  # mlx.launch's processes (ranks), or this one alone
-    try:
-        args, folder, cfg, texts, prompts = setup(argv, group)
-        failed = None
-    except UserError as e:
-        failed = e
-    if group.size() > 1:  # every rank's checks agreed on in one sum: all go on, or all end
-        failures = mx.distributed.all_sum(mx.array(failed is not None, mx.int32), group=group)
-        if failures.item():
-            if failed and failures.item() < group.size():  # this rank's own: its rank in front
-                print(f"rank {group.rank()}: {failed.code}", file=sys.stderr, flush=True)
-            elif failed and group.rank() == 0:  # every rank's: rank 0 says it once
-                print(failed.code, file=sys.stderr, flush=True)
-            # mlx.launch ends the rest when one ends with an error: every line is out first.
-            mx.distributed.all_sum(mx.array(0), group=group).item()
-            raise SystemExit(1)
-        if group.rank() > 0:  # rank 0 alone prints; the others compute beside it
-            sys.stdout = open(os.devnull, "w")
-    if failed:
-        raise failed
-    if group.size() > 1 and args.seed is None:  # each process seeds itself: all take rank 0's
-        mine = int.from_bytes(os.urandom(3), "little") if group.rank() == 0 else 0
-        args.seed = mx.distributed.all_sum(mx.array(mine), group=group).item()
-    if args.seed is not None:
-        mx.random.seed(args.seed)
-    if not args.quiet:
-        print(summary(folder, cfg))
-    if prompts is None:
-        converse(args)
-    elif len(prompts) > 1:
-        reply_batch(texts, prompts, args)
-    else:
-        reply(prompts[0], args, [None] * N_LAYERS, echo="" if args.chat else texts[0])
-
-def setup(argv, group):
-    """main()'s flags, prompts, folder and files, each checked before any output -> args, the
-    folder, its config, the prompts' texts and ids (None: a conversation)."""
-    if sys.stdout is None:  # closed (>&-): the text would go nowhere, and the exit say success
-        raise UserError("standard output is closed (>&-): there is nowhere to write the text")
-    args, launched = parse_args(argv), group.size() > 1
-    if launched and "-" in (args.prompt or []):  # mlx.launch never ends the ranks' input
-        raise UserError("--prompt - reads standard input to its end, which under mlx.launch never "
-                        "comes: give the prompt's text")
-    if launched and args.chat and not args.prompt and not args.prompts:
-        raise UserError("--chat without --prompt is a conversation on standard input, which "
-                        "mlx.launch never ends: give --prompt, or chat in one process")
-    texts = read_prompts(args)
-    folder = model_folder(args.model, fetch=not launched)
-    cfg = load_checked(folder, args.dtype and getattr(mx, args.dtype), group)
-    for tag in ("<|im_start|>", "<|im_end|>"):
-        if args.chat and len(tokenize(tag)) != 1:  # a tokenizer without them spells them out
-            raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
-                            "the chat tokens of Qwen3's instruct models")
-    if args.chat and args.think is None:  # neither --think nor --no-think: the template's way
-        args.think = thinks_first(folder)
-    if args.draft == "mtp" and "mtp.fc.weight" not in W:
-        raise UserError(f"{folder} has no MTP head (mtp.* tensors): --draft mtp needs Qwen3.5's "
-                        "own; --draft lookup drafts with any model")
-    prompts = None  # --chat without a prompt: a conversation
-    if texts[0] is not None or not args.chat:  # each prompt checked before any output
-        texts = [text or "The capital of France is" for text in texts]
-        prompts = [tokenize(chat_prompt([t], args.system, args.think)) if args.chat
-                   else tokenize(t) for t in texts]
-        longest = max(len(ids) for ids in prompts)
-        if longest >= MAX_POS:
-            raise UserError(f"a prompt is {longest} tokens; the context holds {MAX_POS}")
-    return args, folder, cfg, texts, prompts
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130

@@ -62,10 +62,10 @@ def test_part_one_alone_gives_the_whole_files_tokens(checkpoint, options, dtype)
 
 
 def test_part_one_is_what_its_banner_says():
-    """The three banners stand, in order; Part I defines the constants with Qwen3-0.6B's values."""
+    """The four banners stand, in order; Part I defines the constants with Qwen3-0.6B's values."""
     lines = open(li.__file__, encoding="utf-8").read().splitlines()
     banners = [i for i, line in enumerate(lines) if line.startswith("# ═══ Part ")]
-    assert [lines[i].split()[3] for i in banners] == ["I", "II", "III"]
+    assert [lines[i].split()[3] for i in banners] == ["I", "II", "III", "IV"]
     fresh = {}
     exec(compile("\n".join(lines[:banners[1]]), "part_one", "exec"), fresh)
     assert (fresh["D"], fresh["N_LAYERS"], fresh["N_HEADS"], fresh["N_KV"], fresh["D_HEAD"]) == \
