@@ -45,10 +45,10 @@ def as_list(ids):  # an EOS entry: an id, a list of them, or null
 
 def load(model_dir, dtype=None):
     """Qwen3: config.json, the weights (mx.load) and tokenizer.json, unchecked; dtype: compute in
-    it, not the weights' own. load_checked() (Part III) checks every file and entry first."""
+    it, not the weights' own. load_checked() (Part IV) checks every file and entry first."""
     folder = Path(model_dir)
     cfg = json.loads((folder / "config.json").read_text())
-    if cfg["model_type"] != "qwen3" or "quantization" in cfg:  # Qwen3.5, quantised: Part III
+    if cfg["model_type"] != "qwen3" or "quantization" in cfg:  # Qwen3.5, quantised: Part IV
         return load_checked(folder, dtype)
     cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))  # or nested
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -66,11 +66,13 @@ def load(model_dir, dtype=None):
     mx.eval(weights)  # read from disk now, so that generation times only generation
     return use(cfg, weights, tok)
 
-def linear(x, name):  # x @ W[name + ".weight"].T, the article's product (quantised: Part II)
-    return quantized_linear(x, name) if name + ".scales" in W else x @ W[name + ".weight"].T
-
-def summed(x):  # x, added up over the processes that each computed a part of it (Part II)
-    return x if GROUP is None else mx.distributed.all_sum(x, group=GROUP)
+def linear(x, name):
+    """x @ W[name + ".weight"].T, the article's product (quantised: Part II). Several processes
+    (Part II): where each holds some of its input columns, each has a part; all_sum adds them."""
+    y = quantized_linear(x, name) if name + ".scales" in W else x @ W[name + ".weight"].T
+    if GROUP is not None and SPLIT.get(name.split(".")[-1]) == 1:  # o_proj, down_proj, out_proj
+        y = mx.distributed.all_sum(y, group=GROUP)
+    return y
 
 # ═══ Step 1. Tokenize — text becomes ids, numbers in the model's own dictionary ═══
 def tokenize(text):
@@ -90,7 +92,8 @@ def embed(token_ids):
 @mx.compile
 def rms_norm(x, w, eps=1e-6):
     """x: (..., n), w: (n,) -> x / sqrt(mean(x^2) + eps) * w: normalised in float32 (bfloat16's
-    mean drifts), cast back, then the gain (as HF). eps: EPS unless given (a trace keeps its)."""
+    mean drifts), cast back, then the gain (as HF). eps: 1e-6, the article's EPS; the model's
+    calls give EPS, config.json's (a default is traced once: it would not follow EPS)."""
     x32 = x.astype(mx.float32)                                        # (..., n)
     x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # (..., n)
     return w * x32.astype(x.dtype)                                    # (..., n)
@@ -112,9 +115,10 @@ def apply_rope(x, cos, signed_sin):
     article's rotate(): [x1 cos - x2 sin, x1 sin + x2 cos], here in one fused product on x seen as
     its two halves: (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin), (x2, x1) the halves reversed
     (a view: no copy, unlike the article's concatenate). The article's apply_rope(q, k): both."""
-    if not isinstance(signed_sin, mx.array):  # the article's call: say ours
-        raise TypeError("apply_rope() turns one tensor: "
-                        "apply_rope(q, *rope_tables(mx.array(pos), q.dtype))")
+    if not isinstance(signed_sin, mx.array) or signed_sin.ndim != 4:  # the article's call: ours
+        raise TypeError("apply_rope() turns one tensor, positions first; the article's q is heads "
+                        "first, (16, L, 128): apply_rope(q.swapaxes(0, 1), *rope_tables(mx.array("
+                        "positions), q.dtype)).swapaxes(0, 1)")
     halves = x.reshape(*x.shape[:-1], 2, -1)                          # (L, heads, 2, 64) x1, x2
     turned = halves * cos + halves[..., ::-1, :] * signed_sin         # (L, heads, 2, 64)
     return turned.reshape(x.shape)                                    # (L, heads, 128)
@@ -126,7 +130,7 @@ def attention(x, layer_idx, cache, start, rope, visible):
     q, k, v = queries_keys_values(x, p, rope)                         # (L, 16, 128), (L, 8, 128)
     keys, values = cache_write(cache, layer_idx, k, v, start)         # (8, S, 128) each
     out = attend(q, keys, values, visible)                            # (L, 2048) heads merged
-    return summed(linear(out, p + "o_proj"))                          # (L, 1024)
+    return linear(out, p + "o_proj")                                  # (L, 1024)
 
 def queries_keys_values(x, p, rope):
     """x: (L, D) -> q, k, v in heads (N processes, Part II: 1/N of them in each), q and k normalised
@@ -184,15 +188,15 @@ def ffn(x, layer_idx):
     p = f"model.layers.{layer_idx}.mlp."
     gate = linear(x, p + "gate_proj")                                 # (L, 3072)
     up = linear(x, p + "up_proj")                                     # (L, 3072)
-    return summed(linear(swiglu(gate, up), p + "down_proj"))          # (L, 1024)
+    return linear(swiglu(gate, up), p + "down_proj")                  # (L, 1024)
 
 # ═══ Step 7. The transformer block — normalise, attend, add; normalise, think, add ═══
-def transformer_block(x, layer_idx, cache, start, rope, visible, attention=attention):
-    """x: (L, D) at positions start.. -> (L, D). Pre-norm, a residual around each half. attention:
-    Step 5's, or Part II's (a batch's start: every token's position, (B * L,))."""
+def transformer_block(x, layer_idx, cache, where, rope, visible, attention=attention):
+    """x: (L, D) -> (L, D). Pre-norm, a residual around each half. attention: Step 5's, where its
+    start (an int), or Part II's, where what it takes there (a batch's: each token's position)."""
     p = f"model.layers.{layer_idx}."
     h = rms_norm(x, W[p + "input_layernorm.weight"], EPS)             # (L, 1024)
-    out = attention(h, layer_idx, cache, start, rope, visible)        # (L, 1024)
+    out = attention(h, layer_idx, cache, where, rope, visible)        # (L, 1024)
     x, h = add_rms_norm(x, out, W[p + "post_attention_layernorm.weight"], EPS)  # x + out, h
     x = x + ffn(h, layer_idx)                                         # (L, 1024)
     return x
@@ -246,11 +250,11 @@ def sample(logits, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0):
 def prefill(prompt_ids, cache, start=0, blocks=None, chunk=CHUNK):
     """Run the prompt into the cache at positions start.. -> its last token's logits (vocab,). The
     article computes every token's logits; here the others only fill the cache, chunk at a time."""
-    *head, last = prompt_ids
-    for i in range(0, len(head), chunk):
-        forward(head[i:i + chunk], cache, start + i)
+    *earlier, last_id = prompt_ids
+    for i in range(0, len(earlier), chunk):
+        forward(earlier[i:i + chunk], cache, start + i)
         mx.eval(cache)
-    return forward([last], cache, start + len(head), blocks)[-1]      # (vocab,)
+    return forward([last_id], cache, start + len(earlier), blocks)[-1]  # (vocab,)
 
 def not_finite(where, dtype):  # the weights finite (load_checked() checks): the numbers overflowed
     name = str(dtype).split(".")[-1]  # float16, not mlx.core.float16
@@ -289,7 +293,7 @@ def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, lo
         yield token.item()
         token, finite = upcoming
 
-# ═══ Part II — what the article leaves out: quantised weights, Qwen3.5, MTP, batching ═══
+# ═══ Part II — what the article leaves out, the model side: quantised weights to several machines ═══
 # ═══ Quantised weights — numbers in 2 to 8 bits, a scale and a bias for each group of them ═══
 def dequantize(packed, scales, biases, bits):
     """MLX's affine quantisation undone: a row of packed (uint32) is a little-endian stream of
@@ -311,12 +315,13 @@ def quantized_linear(x, name):  # x @ dequantize(W[name]).T, never writing the u
     return mx.quantized_matmul(x, packed, scales, biases, group_size=group_size, bits=bits)
 
 def embed_quantized(ids):  # a quantised embedding: only the rows the ids pick are unpacked
-    rows = [W["model.embed_tokens" + part][ids] for part in (".weight", ".scales", ".biases")]
-    return dequantize(*rows, rows[0].shape[-1] * 32 // D)             # (L, 1024)
+    picked = [W["model.embed_tokens" + part][ids] for part in (".weight", ".scales", ".biases")]
+    return dequantize(*picked, picked[0].shape[-1] * 32 // D)         # (L, 1024)
 
 # ═══ Qwen3.5 — hybrid attention: 3 layers in 4 keep compressed notes, the 4th its full memory ═══
-def deltanet(layer_idx):  # one of Qwen3.5's Gated DeltaNet layers? (layer N: the MTP head's, no)
-    return MODEL == "qwen3_5" and QWEN35["layer_types"][layer_idx:][:1] == ["linear_attention"]
+def deltanet(layer_idx):  # one of Qwen3.5's Gated DeltaNet layers? (layer N, the MTP head's: no)
+    types = QWEN35.get("layer_types", [])                             # one a layer; Qwen3: none
+    return layer_idx < len(types) and types[layer_idx] == "linear_attention"
 
 def qwen35_attention(x, layer_idx, cache, start, rope, visible):  # forward()'s, for Qwen3.5
     # It takes Step 5's arguments, rope too, but turns a quarter of each head with its own tables.
@@ -325,7 +330,7 @@ def qwen35_attention(x, layer_idx, cache, start, rope, visible):  # forward()'s,
     q, k, v, gate = gated_queries(x, layer_idx, mx.arange(start, start + x.shape[0]))
     keys, values = cache_write(cache, layer_idx, k, v, start)         # (2, S, 256) each
     out = attend(q, keys, values, visible)                            # (L, 2048) every 4th
-    return summed(linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj"))
+    return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
 
 def gated_queries(x, layer_idx, positions):
     """Step 5's projections, two things changed: q_proj also gives each head a gate (applied
@@ -367,7 +372,7 @@ def gated_delta_net(x, layer_idx, cache):
     y = rms_norm(y.astype(x.dtype), W[p + "norm.weight"], EPS)        # (L, 16, 128)
     gate = z.astype(mx.float32)                                       # (L, 16, 128) output gate
     y = y.astype(mx.float32) * (gate * mx.sigmoid(gate))              # (L, 16, 128) y * silu(z)
-    return summed(linear(y.astype(x.dtype).reshape(*lead, -1), p + "out_proj"))  # (L, 1024)
+    return linear(y.astype(x.dtype).reshape(*lead, -1), p + "out_proj")  # (L, 1024)
 
 def delta_memory(cache, layer_idx, qkv, beta, decay):
     """A sequence's L tokens (a batch's: (B, ...) in front) through the short convolution and the
@@ -434,46 +439,54 @@ def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
     x = transformer_block(x, N_LAYERS, mtp_cache, start, None, visible, qwen35_attention)
     return linear(rms_norm(x, W["mtp.norm.weight"], EPS), "lm_head")  # (L, vocab)
 
-def lookup_draft(history, n_draft, longest=3):
-    """Prompt lookup: the last n ids (n = 3, then 2, 1) found earlier in history -> up to n_draft
-    ids that followed their latest earlier match ([] if none)."""
-    for n in range(longest, 0, -1):
-        for i in range(len(history) - n - 1, -1, -1):
-            if history[i:i + n] == history[-n:]:
-                return history[i + n:i + n + n_draft]
-    return []
-
-def hidden_pass(token_ids, cache, start, last=None):
-    """Steps 2-7 for the ids at positions start.., CHUNK at a time -> the last block's output
+def hidden_pass(token_ids, cache, start, last_x=None, chunk=CHUNK):
+    """Steps 2-7 for the ids at positions start.., chunk at a time -> the last block's output
     after the final norm (L, D), what the MTP head reads; the LM head is left to the caller.
-    last: a list, given the last token's x after each block (what --explain looks at)."""
+    last_x: a list, given the last token's x after each block (what --explain looks at)."""
     chunks = []
-    for i in range(0, len(token_ids), CHUNK):
+    for i in range(0, len(token_ids), chunk):
         blocks = []
-        forward(token_ids[i:i + CHUNK], cache, start + i, blocks)  # its logits are never computed
+        forward(token_ids[i:i + chunk], cache, start + i, blocks)  # its logits are never computed
         chunks.append(rms_norm(blocks[-1], W["model.norm.weight"], EPS))
         mx.eval(chunks[-1], cache)
-    if last is not None:
-        last.extend(x[-1:] for x in blocks)
+    if last_x is not None:
+        last_x.extend(x[-1:] for x in blocks)
     return mx.concatenate(chunks)                                     # (L, 1024)
 
-class MTPHead:
-    """Qwen3.5's MTP head as a drafter: its own KV cache, and the model's hidden states h_t it has
-    not read yet. It reads (x_t+1, h_t), so each h_t waits for the id after it. A worked example:
-    the prompt fills positions 0..4 (start 0) and the model chose x5; the head has read t = 0..3
-    (read = 4) and h_4 waits. draft(): from (x5, h_4), d6. If the model then keeps d6, it has made
-    h_5, h_6 (unread); else h_5 alone: the next draft reads them with the ids after t = 4."""
-    def __init__(self, prompt_ids, hidden, start):
-        self.cache, self.start, self.read = [None] * (N_LAYERS + 1), start, len(prompt_ids) - 1
-        self.unread = hidden[-1:]                                     # (1, 1024) h at the end
-        for i in range(0, self.read, CHUNK):  # the prompt, shifted by one token
-            ids = mx.array(prompt_ids[i + 1:i + 1 + CHUNK])
-            mtp_logits(ids, hidden[i:i + len(ids)], self.cache, start + i, start)
-            mx.eval(self.cache)
+# A drafter guesses what follows: draft(history, token, hidden), history the ids so far (from
+# generate_draft()'s start), token the model's next, hidden the model's hidden states it has not
+# been given yet -> ids (K,), lazy. A new one for each generate_draft(): the MTP head keeps a cache.
+class PromptLookup:
+    """Drafts from the text so far: the last n ids (n = longest, then fewer) found earlier in it
+    -> up to n_draft ids that followed their latest earlier match (none if none)."""
+    def __init__(self, n_draft=3, longest=3):
+        self.n_draft, self.longest = n_draft, longest
 
-    def draft(self, history, token):  # history: the ids at start.., token: the next -> (1,), lazy
-        ids = mx.array(history[self.read + 1:] + [token])             # x_t+1 of each unread h_t
-        logits = mtp_logits(ids, self.unread, self.cache, self.start + self.read, self.start)
+    def draft(self, history, token, hidden):  # (hidden: the MTP head's, not read here)
+        ids = history + [token]
+        for n in range(self.longest, 0, -1):
+            for i in range(len(ids) - n - 1, -1, -1):
+                if ids[i:i + n] == ids[-n:]:
+                    return mx.array(ids[i + n:i + n + self.n_draft], mx.uint32)
+        return mx.array([], mx.uint32)
+
+class MTPDrafter:
+    """Qwen3.5's MTP head as a drafter, with its own KV cache from position start. It reads
+    (x_t+1, h_t), so each h_t waits for the id after it. A worked example: the prompt fills
+    positions 0..4 and the model chose x5; the first draft() reads (x1, h0) .. (x5, h4), chunk at
+    a time, and guesses d6. If the model then keeps d6, it has made h5, h6; else h5 alone: the
+    next draft() reads them with the ids after position 4."""
+    def __init__(self, start=0, chunk=CHUNK):
+        self.cache, self.start, self.chunk = [None] * (N_LAYERS + 1), start, chunk
+        self.read = 0  # the positions whose h_t the head has read, from start
+
+    def draft(self, history, token, hidden):  # hidden: h_t of each unread t -> (1,), lazy
+        ids = history[self.read + 1:] + [token]                       # x_t+1 of each unread h_t
+        for i in range(0, len(ids), self.chunk):
+            if i:  # (a long prompt's: one chunk's cache at a time)
+                mx.eval(self.cache)
+            logits = mtp_logits(mx.array(ids[i:i + self.chunk]), hidden[i:i + self.chunk],
+                                self.cache, self.start + self.read + i, self.start)
         self.read += len(ids)
         return mx.argmax(logits[-1:], axis=-1)                        # (1,) its guess after token
 
@@ -489,19 +502,19 @@ def verify_pass(ids, cache, pos, sampler):
     hidden = rms_norm(blocks[-1], W["model.norm.weight"], EPS)        # (1 + K, 1024)
     return logits, sampler(logits), hidden, snapshots
 
-def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_draft=1,
-                   cache=None, start=0, hidden=None, counts=None):
-    """generate(), each step in three: draft (ids guessed ahead: the MTP head's 1, or up to n_draft
-    by prompt lookup), verify (one pass), accept (the drafts the model agrees with, the DeltaNet
-    rolled back to there). hidden: hidden_pass()'s, if it ran the prompt in; counts: a dict, given
-    "drafted" and "accepted" anew. A continued cache (start > 0): the head and the lookup see this
-    call's ids only."""
+def generate_draft(prompt_ids, max_tokens=100, sampler=sample, drafter=None, cache=None, start=0,
+                   hidden=None, counts=None):
+    """generate(), each step in three: draft (ids guessed ahead by drafter: an MTPDrafter(start),
+    or by default PromptLookup()), verify (one pass), accept (the drafts the model agrees with,
+    the DeltaNet rolled back to there). hidden: hidden_pass()'s, if it ran the prompt in; counts:
+    a dict, given "drafted", "accepted" and "passes" (the model's) anew. A continued cache (start
+    > 0): the drafter sees this call's ids only."""
     cache = [None] * N_LAYERS if cache is None else cache
+    drafter = PromptLookup() if drafter is None else drafter
     counts = {} if counts is None else counts
-    counts.update(drafted=0, accepted=0)
+    counts.update(drafted=0, accepted=0, passes=0)
     hidden = hidden_pass(prompt_ids, cache, start) if hidden is None else hidden  # (L, 1024)
     logits = linear(hidden[-1:], "lm_head")[-1]                       # (vocab,) the next id's
-    head = MTPHead(prompt_ids, hidden, start) if draft == "mtp" else None
     history, pos = list(prompt_ids), start + len(prompt_ids)  # pos: the position of token
     end = min(pos + max_tokens, MAX_POS)
     token, finite = sampler(logits).item(), mx.isfinite(logits).all().item()
@@ -510,15 +523,13 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
             raise not_finite(f"at position {pos}", logits.dtype)
         if token in EOS_IDS:
             return
+        counts["passes"] += 1
         if pos + 1 >= end:  # the last: into the cache first, as generate() leaves it
             forward([token], cache, pos)
             yield token
             return
         # Draft: ids guessed to follow token, lazy, never past the end.
-        if head:
-            drafts = head.draft(history, token)[:end - pos - 1]      # (K,), K = 1
-        else:
-            drafts = mx.array(lookup_draft(history + [token], n_draft)[:end - pos - 1], mx.uint32)
+        drafts = drafter.draft(history, token, hidden)[:end - pos - 1]  # (K,)
         # Verify: the model over token and the drafts, in one pass.
         ids = mx.concatenate([mx.array([token], mx.uint32), drafts])  # (1 + K,)
         logits, choices, hidden, snapshots = verify_pass(ids, cache, pos, sampler)
@@ -534,8 +545,7 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, draft="mtp", n_dr
         counts["drafted"] += len(drafts)
         counts["accepted"] += n
         history += [token] + drafts[:n]
-        if head:
-            head.unread = hidden[:n + 1]                              # (1 + n, 1024) h_pos..
+        hidden = hidden[:n + 1]                                       # (1 + n, 1024) h_pos..
         for j, emitted in enumerate([token] + drafts[:n]):  # drafts[j - 1]: row j - 1's choice
             if j and not finite[j - 1]:
                 raise not_finite(f"at position {pos + j}", logits.dtype)
@@ -567,7 +577,8 @@ def padded(a, axis, size):  # a, with zeros after it along axis up to size (if s
 
 def take_slots(cache, numbers, own):
     """own: prefill_rows()' cache, a row for each slot number -> those slots of the batch's cache
-    (new ones at its end), positions (axis 2) padded to the longer; own's empty layer: zeros."""
+    (new ones at its end), a KV cache's positions (axis 2) padded to the longer (a DeltaNet's
+    notes: the same size at any length); own's empty layer: zeros."""
     index = mx.array(numbers)                                         # (G,)
     for i, entry in enumerate(own):
         if cache[i] is None and entry is None:  # nothing in this layer yet: made on first write
@@ -617,7 +628,7 @@ def attention_rows(x, layer_idx, cache, positions, rope, visible):
     """Step 5 on B rows of L tokens each, flattened: x (B * L, D) at positions (B * L,)."""
     p = f"model.layers.{layer_idx}.self_attn."
     q, k, v = queries_keys_values(x, p, rope)                         # (B * L, 16, 128), ...
-    return summed(linear(attend_rows(cache, layer_idx, q, k, v, positions, visible), p + "o_proj"))
+    return linear(attend_rows(cache, layer_idx, q, k, v, positions, visible), p + "o_proj")
 
 def qwen35_attention_rows(x, layer_idx, cache, positions, rope, visible):  # the same for Qwen3.5
     B, L, _ = visible.shape  # (rope unused, as in qwen35_attention())
@@ -625,7 +636,7 @@ def qwen35_attention_rows(x, layer_idx, cache, positions, rope, visible):  # the
         return gated_delta_net(x.reshape(B, L, -1), layer_idx, cache).reshape(B * L, -1)
     q, k, v, gate = gated_queries(x, layer_idx, positions)            # (B * L, 8, 256), ...
     out = attend_rows(cache, layer_idx, q, k, v, positions, visible)  # (B * L, 2048)
-    return summed(linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj"))
+    return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
 
 def forward_rows(token_ids, cache, positions):
     """token_ids (B, L): L ids of each of B sequences, row b's at positions[b].. of slot b ->
@@ -647,15 +658,16 @@ def prefill_rows(prompts):
     """Step 9's prefill() side by side, all but each last id -> a cache, a slot each. Qwen3's
     shorter prompts padded at the end (keys written over before any query sees them)."""
     longest = max(len(ids) for ids in prompts) - 1
-    heads = mx.array([ids[:-1] + [0] * (longest + 1 - len(ids)) for ids in prompts])  # (G, ...)
+    earlier = mx.array([ids[:-1] + [0] * (longest + 1 - len(ids)) for ids in prompts])  # (G, ..)
     cache = [None] * N_LAYERS
     for c in range(0, longest, CHUNK):
-        forward_rows(heads[:, c:c + CHUNK], cache, [c] * len(prompts))
+        forward_rows(earlier[:, c:c + CHUNK], cache, [c] * len(prompts))
         mx.eval(cache)
     return cache
 
 def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=None):
-    """Yield (i, id) for the tokens of prompts[i] (lists of ids), each as generate() gives it alone.
+    """Yield (i, id) for the tokens of prompts[i] (lists of ids): greedy, each as generate() gives
+    it alone; sampled, from the same distributions (the draws are the batch's, not a lone run's).
     Up to batch_size sequences decode together; one that ends (EOS, max_tokens, the context's end)
     frees its slot, and the next waiting prompt fills its cache apart and takes it: continuous
     batching. ended: a list, given (i, the positions its cache held) as each sequence ends."""
@@ -712,7 +724,8 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
 # talk through mx.distributed. Each rank holds whole heads, the rows of q, k and v that make them
 # and the columns of o that read them; of the MLP, rows of gate and up, and the columns of down
 # that read them. So each block's attention and MLP leave a part of their output on every rank,
-# and Part I's summed() adds the N parts: one all_sum each, 2 a block, every rank the whole sum.
+# and Part I's linear() adds the N parts after o_proj and down_proj (the columns split, SPLIT's
+# 1): one all_sum each, 2 a block, every rank the whole sum.
 # The embedding, the norms and the LM head stay whole on every rank; its KV cache holds its own
 # heads. Qwen3.5's DeltaNet splits the same way, by its key and value heads.
 SPLIT = {  # a weight's module (or a tensor's name) -> the axis cut in N: 0, rows; 1, columns
@@ -724,8 +737,8 @@ def shard(name, w, group, qwen35):
     """A tensor of the whole model -> this rank's part of it (the whole if it is not split),
     copied and evaluated now: a slice would keep the whole tensor's buffer alive, and one eval
     over them all could hold every whole tensor at once."""
-    *_, module, last = name.split(".")
-    axis = SPLIT.get(module if last in ("weight", "scales", "biases") else last)
+    *_, module, leaf = name.split(".")
+    axis = SPLIT.get(module if leaf in ("weight", "scales", "biases") else leaf)
     if axis is None:
         return w
     n, r = group.size(), group.rank()
@@ -739,8 +752,9 @@ def shard(name, w, group, qwen35):
     return part
 
 # ═══ Part III — See inside: the views that teach, for --explain and for a notebook ═══
-import os, shutil, sys, unicodedata  # noqa: E401, E402
-
+# Each takes plain values (ids, a cache, numbers), never the command line's flags.
+import os, shutil, sys, time, timeit, unicodedata  # noqa: E401, E402
+from functools import lru_cache  # noqa: E402
 
 # ─── The tokens, and the next token ───
 
@@ -755,7 +769,7 @@ def top_tokens(logits, k, where="the prompt"):
     top = mx.argsort(-probs)[:k].tolist()                             # (k,) likeliest first
     return [(t, probs[t].item()) for t in top]
 
-def bar_row(label, token, p):  # a row of a probability table: 30 blocks for p = 1
+def bar_line(label, token, p):  # a line of a probability table: 30 blocks for p = 1
     return f"{label:>10} {shown(token):>18} {p:<8.4g}{'█' * round(30 * p)}"
 
 def explain(prompt_ids, blocks, logits, cache, start, k):
@@ -764,7 +778,7 @@ def explain(prompt_ids, blocks, logits, cache, start, k):
     print("tokens:", ", ".join(f"{shown(t)} {t}" for t in prompt_ids))
     print(f"embedding: {embed(prompt_ids).shape}")
     print(f"the next token: the model's top {k}")
-    print("\n".join(bar_row("", token, p) for token, p in top_tokens(logits, k)))
+    print("\n".join(bar_line("", token, p) for token, p in top_tokens(logits, k)))
     heads = "heads" if GROUP is None else f"rank 0's {N_HEADS // GROUP.size()} heads of {N_HEADS}"
     print("where the last token looks: each attention block's 3 heaviest tokens of the prompt "
           f"(averaged over {heads})")
@@ -772,7 +786,7 @@ def explain(prompt_ids, blocks, logits, cache, start, k):
         weights = weights[start:].tolist()                            # the prompt's positions
         top = sorted(range(len(weights)), key=weights.__getitem__, reverse=True)[:3]
         for n, j in enumerate(top):
-            print(bar_row(f"block {i}" if n == 0 else "", prompt_ids[j], weights[j]))
+            print(bar_line(f"block {i}" if n == 0 else "", prompt_ids[j], weights[j]))
         print(f"{'':>10} {'rest':>18} {1 - sum(weights[j] for j in top):<8.4g}")
     delta = [str(i + 1) for i in range(N_LAYERS) if deltanet(i)]
     if delta:
@@ -785,14 +799,14 @@ def attention_looks(prompt_ids, blocks, cache, start=0):
     softmax run once more for its query, on the keys the cache holds (memory: S per head) ->
     [(block, (S,))], averaged over heads. blocks: x after each block, for the last token."""
     S = start + len(prompt_ids)
-    last, looks = mx.array([S - 1]), []
+    position, looks = mx.array([S - 1]), []
     for i in [i for i in range(N_LAYERS) if not deltanet(i)]:
         x = embed(prompt_ids[-1:]) if i == 0 else blocks[i - 1]       # (1, D) block i's input
         h = rms_norm(x, W[f"model.layers.{i}.input_layernorm.weight"], EPS)
         if MODEL == "qwen3_5":
-            q = gated_queries(h, i, last)[0]                          # (1, heads, hd)
+            q = gated_queries(h, i, position)[0]                      # (1, heads, hd)
         else:
-            rope = rope_tables(last, h.dtype)
+            rope = rope_tables(position, h.dtype)
             q = queries_keys_values(h, f"model.layers.{i}.self_attn.", rope)[0]
         keys = cache[i][0][:, :S]                                     # (KV, S, hd)
         by_kv = q.reshape(keys.shape[0], -1, keys.shape[-1])          # (KV, 2, hd) as attend()'s
@@ -819,8 +833,8 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
     # never lands in the run's. A DeltaNet's notes are new arrays at every token.
     own = [None if c is None else c[:2] if deltanet(i) else (c[0][:, :start], c[1][:, :start])
            for i, c in enumerate(cache)]
-    rows = [[(mx.zeros(0, mx.uint32), mx.zeros(0), mx.zeros(0))] for _ in range(N_LAYERS)]
-    progress, shown = progress and sys.stderr.isatty(), ""  # shown: the progress line
+    kept = [[(mx.zeros(0, mx.uint32), mx.zeros(0), mx.zeros(0))] for _ in range(N_LAYERS)]
+    progress, line = progress and sys.stderr.isatty(), ""  # line: the progress line shown
     try:
         for i in range(0, len(token_ids), chunk):
             ids, blocks = token_ids[i:i + chunk], []
@@ -828,24 +842,25 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
             at = max(first - i, 0)                                    # the chunk's first column
             if at < len(ids):  # columns in this chunk
                 wrote = mx.array(written[i + at - first:i + len(ids) - first])  # (C,)
-                for b, (row, x) in enumerate(zip(rows, blocks), 1):
+                for b, (block_kept, x) in enumerate(zip(kept, blocks), 1):
                     # Its own final norm: lm_head() normalises this block's x by its own size.
                     logits = lm_head(x[at:]).astype(mx.float32)       # (C, vocab)
                     lse = mx.logsumexp(logits, axis=-1)               # (C,) softmax's divisor
                     chosen = mx.take_along_axis(logits, wrote[:, None], axis=-1)[:, 0]  # (C,)
-                    row.append((mx.argmax(logits, axis=-1), mx.exp(chosen - lse),
-                                 mx.exp(logits.max(axis=-1) - lse)))  # (C,) each
-                    mx.eval(row[-1])                                  # all that is kept of them
-                    if not mx.isfinite(row[-1][1]).all().item():
+                    block_kept.append((mx.argmax(logits, axis=-1), mx.exp(chosen - lse),
+                                       mx.exp(logits.max(axis=-1) - lse)))  # (C,) each
+                    mx.eval(block_kept[-1])                           # all that is kept of them
+                    if not mx.isfinite(block_kept[-1][1]).all().item():
                         raise not_finite(f"of block {b}'s logit lens", x.dtype)
                     if progress:
-                        shown = (f"[the logit lens: positions {i + len(ids)} of "
-                                 f"{len(token_ids)}, block {b} of {N_LAYERS}]")
-                        print(f"\r{shown}", end="", file=sys.stderr, flush=True)
+                        line = (f"[the logit lens: positions {i + len(ids)} of "
+                                f"{len(token_ids)}, block {b} of {N_LAYERS}]")
+                        print(f"\r{line}", end="", file=sys.stderr, flush=True)
             mx.eval(own)
     finally:  # the line blanked (spaces: a dumb terminal has no codes to clear it)
-        print(f"\r{' ' * len(shown)}\r" if shown else "", end="", file=sys.stderr, flush=True)
-    return [mx.stack([mx.concatenate([r[k] for r in row]) for row in rows]) for k in range(3)]
+        print(f"\r{' ' * len(line)}\r" if line else "", end="", file=sys.stderr, flush=True)
+    return [mx.stack([mx.concatenate([c[k] for c in block_kept]) for block_kept in kept])
+            for k in range(3)]
 
 # GPT-2's byte-level alphabet, which Qwen's tokenizer.json spells its tokens in: a byte that is a
 # printable Latin-1 character is itself, the others are chr(256), chr(257), ... in order.
@@ -871,8 +886,8 @@ def cell_text(token, width=CELL):
         if "\udc80" <= c <= "\udcff":  # a byte that is no whole character (surrogateescape's)
             parts.append([f"<0x{ord(c) - 0xDC00:02X}>", 6])
         elif unicodedata.category(c) in ("Mn", "Me"):  # a mark: on the one before, or on ◌
-            shown, n = parts.pop() if parts else ["◌", 1]
-            parts.append([shown + c, max(n, 2 if c == "\ufe0f" else 1)])
+            glyphs, n = parts.pop() if parts else ["◌", 1]
+            parts.append([glyphs + c, max(n, 2 if c == "\ufe0f" else 1)])
         elif not c.isprintable() and c not in " \n":
             parts.append([f"U+{ord(c):04X}", len(f"U+{ord(c):04X}")])
         else:  # (U+FE0F above: the emoji form, two columns wide)
@@ -915,14 +930,15 @@ def lens_picture(top, p, written, read, colour=False, screen=80, number=1):
         lines.append(f"{'read':<{label}}" + " ".join(f" {cell_text(read[j])} " for j in cols))
     return lines
 
-def answer_forming(prompt_ids, generated, cache, start, args, chunk=CHUNK):
-    """--explain, after the answer: the logit lens over its last --lens-tokens tokens (0: all),
-    drawn. cache: as it was at start, before the prompt; generated: the answer's ids; chunk:
-    logit_lens()'s. Ctrl-C in a chat stops the picture, the answer and the chat kept."""
+def answer_forming(prompt_ids, generated, cache, start, columns=64, greedy=True, chunk=CHUNK):
+    """--explain, after the answer: the logit lens over its last `columns` tokens (0: all),
+    drawn. cache: as it was at start, before the prompt; generated: the answer's ids; greedy:
+    chosen at temperature 0 (then a near-tie this pass breaks the other way is named); chunk:
+    logit_lens()'s. Ctrl-C: a line says the picture stopped, and the KeyboardInterrupt goes on."""
     if not generated:
         print("the answer forming: no token was written (the first was an end-of-sequence id)")
         return
-    n = min(args.lens_tokens or len(generated), len(generated))      # the columns drawn
+    n = min(columns or len(generated), len(generated))               # the columns drawn
     skipped, token_ids = len(generated) - n, prompt_ids + generated[:-1]  # (the last: unread)
     print("the answer forming: each block's likeliest next token, had the model ended there\n"
           f"(the logit lens, nostalgebraist 2020; it costs a pass over {len(token_ids)} positions, "
@@ -935,9 +951,7 @@ def answer_forming(prompt_ids, generated, cache, start, args, chunk=CHUNK):
             token_ids, generated[skipped:], cache, start, chunk, progress=True))
     except KeyboardInterrupt:
         print("[the answer forming: stopped]", flush=True)
-        if not args.chat:  # (a plain run ends at Ctrl-C; a caller's loop is stopped by it)
-            raise
-        return
+        raise
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get(
         "TERM") != "dumb"  # else a glyph
     ramp = "".join(shade(i / 8, colour) for i in range(8)) + ("\x1b[0m" if colour else "")
@@ -946,7 +960,7 @@ def answer_forming(prompt_ids, generated, cache, start, args, chunk=CHUNK):
                                  colour, shutil.get_terminal_size().columns, skipped + 1)))
     dtype = str(W["model.norm.weight"].dtype).split(".")[-1]
     for j in range(n):  # greedy: the top row is the answer, but where this pass breaks a tie
-        if args.temperature == 0 and top[-1][j] != generated[skipped + j]:
+        if greedy and top[-1][j] != generated[skipped + j]:
             print(f"[note: token {skipped + j + 1}: the top row's {p_top[-1][j]:.4f} against "
                   f"{p[-1][j]:.4f} for the token written, a near-tie this pass, summing in "
                   f"another order in {dtype}, broke the other way]")
@@ -955,19 +969,27 @@ def answer_forming(prompt_ids, generated, cache, start, args, chunk=CHUNK):
 
 def bandwidth(size=2**28, tries=5):
     """This machine's memory speed for what bounds decoding, bytes a second: reading size bytes
-    already written and resident (the largest of their 32-bit words: integer work, light enough
-    that the reading takes the time, with no page faults timed), the best of tries."""
+    already written and resident (summing their 32-bit words: integer work, light enough that the
+    reading takes the time, with no page faults timed), the best of tries. MLX's CPU runs each
+    operation on one core, so there each core reads its part at once, on a stream of its own; a
+    GPU reads them all with one operation."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    streams = cpu_streams(n) if mx.default_device() == mx.cpu else [mx.default_stream(
+        mx.default_device())]
     words = mx.zeros(size // 4, mx.uint32)                            # written before any timing
-    mx.eval(words)
-    best = math.inf
-    for _ in range(tries):
-        tic = time.perf_counter()
-        mx.eval(words.max())
-        best = min(best, time.perf_counter() - tic)
-    return size / best
+    parts = mx.split(words, [len(words) * i // len(streams) for i in range(1, len(streams))])
+    mx.eval(parts)
+
+    def read():
+        mx.eval([part.sum(stream=stream) for part, stream in zip(parts, streams)])
+    return size / min(timeit.repeat(read, timer=time.perf_counter, number=1, repeat=tries))
+
+@lru_cache
+def cpu_streams(n):  # n CPU streams, made once: MLX keeps a thread for each as long as it runs
+    return [mx.new_stream(mx.cpu) for _ in range(n)]
 
 # ═══ Part IV — The program, read top-down from main() ═══
-import argparse, errno, re, shlex, signal, socket, time, warnings  # noqa: E401, E402
+import argparse, errno, re, shlex, signal, socket, threading, warnings  # noqa: E401, E402
 from contextlib import contextmanager  # noqa: E402
 from tokenizers.decoders import DecodeStream  # noqa: E402
 from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokenizers)
@@ -976,39 +998,24 @@ from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokeni
 # ─── The command line ───
 
 def main(argv=None):
-    group = mx.distributed.init()  # mlx.launch's processes (ranks), or this one alone
-    try:
-        args, folder, cfg, texts, prompts = setup(argv, group)
-        failed = None
-    except UserError as e:
-        failed = e
-    if group.size() > 1:  # every rank's checks agreed on in one sum: all go on, or all end
-        failures = mx.distributed.all_sum(mx.array(failed is not None, mx.int32), group=group)
-        if failures.item():
-            if failed and failures.item() < group.size():  # this rank's own: its rank in front
-                print(f"rank {group.rank()}: {failed.code}", file=sys.stderr, flush=True)
-            elif failed and group.rank() == 0:  # every rank's: rank 0 says it once
-                print(failed.code, file=sys.stderr, flush=True)
-            # mlx.launch ends the rest when one ends with an error: every line is out first.
-            mx.distributed.all_sum(mx.array(0), group=group).item()
-            raise SystemExit(1)
-        if group.rank() > 0:  # rank 0 alone prints; the others compute beside it
-            sys.stdout = open(os.devnull, "w")
-    if failed:
-        raise failed
-    if group.size() > 1 and args.seed is None:  # each process seeds itself: all take rank 0's
-        mine = int.from_bytes(os.urandom(3), "little") if group.rank() == 0 else 0
-        args.seed = mx.distributed.all_sum(mx.array(mine), group=group).item()
-    if args.seed is not None:
-        mx.random.seed(args.seed)
-    if not args.quiet:
-        print(summary(folder, cfg))
-    if prompts is None:
-        converse(args)
-    elif len(prompts) > 1:
-        reply_batch(texts, prompts, args)
-    else:
-        reply(prompts[0], args, [None] * N_LAYERS, echo="" if args.chat else texts[0])
+    """The command line: every flag, file and number checked first; then one answer, a batch or a
+    chat. Under mlx.launch each process (a rank) runs this, and the launcher's few lines are named
+    calls: the ranks agree on the checks, rank 0 alone prints, every rank draws the same seed."""
+    group = mx.distributed.init()  # mlx.launch's processes, or this one alone
+    args, folder, cfg, texts, prompts = all_ranks_agree(group, setup, argv, group)
+    with rank_zero_prints(group):
+        if args.seed is None and group.size() > 1:
+            args.seed = shared_seed(group)
+        if args.seed is not None:
+            mx.random.seed(args.seed)
+        if not args.quiet:
+            print(summary(folder, cfg))
+        if prompts is None:
+            converse(args)
+        elif len(prompts) > 1:
+            reply_batch(texts, prompts, args)
+        else:
+            reply(prompts[0], args, [None] * N_LAYERS, echo="" if args.chat else texts[0])
 
 def setup(argv, group):
     """main()'s flags, prompts, folder and files, each checked before any output -> args, the
@@ -1016,12 +1023,8 @@ def setup(argv, group):
     if sys.stdout is None:  # closed (>&-): the text would go nowhere, and the exit say success
         raise UserError("standard output is closed (>&-): there is nowhere to write the text")
     args, launched = parse_args(argv), group.size() > 1
-    if launched and "-" in (args.prompt or []):  # mlx.launch never ends the ranks' input
-        raise UserError("--prompt - reads standard input to its end, which under mlx.launch never "
-                        "comes: give the prompt's text")
-    if launched and args.chat and not args.prompt and not args.prompts:
-        raise UserError("--chat without --prompt is a conversation on standard input, which "
-                        "mlx.launch never ends: give --prompt, or chat in one process")
+    if launched:
+        check_launched(args)
     texts = read_prompts(args)
     folder = model_folder(args.model, fetch=not launched)
     cfg = load_checked(folder, args.dtype and getattr(mx, args.dtype), group)
@@ -1083,20 +1086,21 @@ def parse_args(argv):
     add("--dtype", choices=["bfloat16", "float16", "float32"], help="none: the weights' own")
     add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
     add("--explain", action="store_true", help="the steps inside (chat: each turn's)")
-    add("--lens-tokens", type=int, metavar="N",
-        help="--explain's picture: the answer's last N tokens (0: all; none given: 64)")
+    add("--lens-tokens", type=int, metavar="N", default=argparse.SUPPRESS,  # (given, or 64)
+        help="--explain's picture: the answer's last N tokens (0: all) (default: 64)")
     add("--quiet", "-q", action="store_true", help="print the completion only")
     add("--verbose", action="store_true", help="a chat at a terminal: each answer's statistics")
     args = ap.parse_args(argv)
+    lens_given = "lens_tokens" in args  # (argparse sets no default: one given is known)
+    args.lens_tokens = getattr(args, "lens_tokens", 64)
     checks = [(args.max_tokens < 1, "--max-tokens must be at least 1"),
               (not args.temperature >= 0, "--temperature must be 0 or more"),
               (not 0 < args.top_p <= 1, "--top-p must be more than 0 and at most 1"),
               (args.top_k < 0, "--top-k must be 0 or more"),
               (not 0 <= args.min_p <= 1, "--min-p must be from 0 to 1"),
               (args.show_probs < 0, "--show-probs must be 0 or more"),
-              (args.lens_tokens is not None and not args.explain, "--lens-tokens needs --explain"),
-              (args.lens_tokens is not None and args.lens_tokens < 0,
-               "--lens-tokens must be 0 or more"),
+              (lens_given and not args.explain, "--lens-tokens needs --explain"),
+              (args.lens_tokens < 0, "--lens-tokens must be 0 or more"),
               (args.batch_size < 1, "--batch-size must be at least 1"),
               (args.num_draft_tokens is not None and not args.draft,
                "--num-draft-tokens needs --draft"),
@@ -1115,8 +1119,6 @@ def parse_args(argv):
             ap.error(message)
     if args.draft and args.num_draft_tokens is None:
         args.num_draft_tokens = 1 if args.draft == "mtp" else 3
-    if args.lens_tokens is None:
-        args.lens_tokens = 64
     return args
 
 def read_prompts(args):
@@ -1158,8 +1160,8 @@ def summary(folder, cfg):
         size += f" on rank 0 of {cfg['group'].size()} (each 1/{cfg['group'].size()} of a block)"
     name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
     if MODEL == "qwen3_5":  # and what of it is not run
-        head = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
-        name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {head})"
+        mtp = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
+        name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {mtp})"
         layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
     return (f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
             f"{size}, {str(W['model.norm.weight'].dtype).split('.')[-1]}")  # bfloat16, say
@@ -1170,42 +1172,50 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
     """One completion: --explain or --show-probs, then the text as it comes (after echo) and the
     statistics (--quiet: the text alone) -> generated, the new ids, each added as it is printed.
     keep: (position, list): the list is given the cache as it is at that position of the prompt;
-    chunk: prefill()'s."""
+    chunk: the prompt's passes' (prefill()'s, and --draft's)."""
     held = start + len(prompt_ids)
     if held >= MAX_POS:
         raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
     if held + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
+    mx.reset_peak_memory()  # each answer's peak its own (a chat's earlier turns, --explain's)
     blocks = [] if args.explain else None  # x after each block, for --explain
     before = list(cache)  # as it is at start, for --explain's pass (the run writes cache)
-    counts, tic = {}, time.perf_counter()  # counts: what --draft drafted and accepted
+    counts, tic = {}, time.perf_counter()  # counts: what --draft drafted, accepted, passes
     mark, saved = keep or (start, None)  # the prompt in two parts, the cache kept between
-    head, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
-    hidden = hidden_pass(head, cache, start) if args.draft and head else None  # the MTP head's
-    if head and not args.draft:
-        prefill(head, cache, start, chunk=chunk)                      # its logits never computed
+    earlier, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
+    hidden = hidden_pass(earlier, cache, start, chunk=chunk) if args.draft and earlier else None
+    if earlier and not args.draft:
+        prefill(earlier, cache, start, chunk=chunk)                   # its logits never computed
     # Kept at the mark: a DeltaNet state is a new array at every token; the KV buffers are
     # written over after the mark, before anything reads them.
     if saved is not None:
         mx.eval(cache)
         saved[:] = list(cache)
     if args.draft:  # every token's hidden state kept, for the MTP head
-        more = hidden_pass(rest, cache, mark, blocks)                 # (L, 1024)
+        more = hidden_pass(rest, cache, mark, blocks, chunk)          # (L, 1024)
         hidden = more if hidden is None else mx.concatenate([hidden, more])
         logits = linear(hidden[-1:], "lm_head")[-1]                   # (vocab,)
     else:
         logits = prefill(rest, cache, mark, blocks, chunk)            # (vocab,)
-    if args.explain:
-        explain(prompt_ids, blocks, logits, cache, start, args.show_probs or 5)
-    elif args.show_probs:
-        print("\n".join(bar_row("", token, p) for token, p in top_tokens(logits, args.show_probs)))
+    if args.explain or args.show_probs:  # their own time is kept off the prompt's clock
+        mx.eval(logits)
+        paused = time.perf_counter()
+        if args.explain:
+            explain(prompt_ids, blocks, logits, cache, start, args.show_probs or 5)
+        else:
+            print("\n".join(bar_line("", token, p)
+                            for token, p in top_tokens(logits, args.show_probs)))
+        tic += time.perf_counter() - paused
     if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
         raise not_finite("after the prompt", logits.dtype)
     print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
     generated, t_first, sampler = [] if generated is None else generated, None, sampler_of(args)
     if args.draft:
-        tokens = generate_draft(prompt_ids, args.max_tokens, sampler, args.draft,
-                                args.num_draft_tokens, cache, start, hidden, counts)
+        drafter = MTPDrafter(start, chunk) if args.draft == "mtp" else PromptLookup(
+            args.num_draft_tokens)
+        tokens = generate_draft(prompt_ids, args.max_tokens, sampler, drafter, cache, start,
+                                hidden, counts)
     else:
         tokens = generate(prompt_ids, args.max_tokens, sampler, cache, start, logits)
     for token, piece in stream_text(tokens):
@@ -1216,7 +1226,7 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
         print(flush=True)
     else:
         rate = print_stats(len(prompt_ids), len(generated), tic, t_first or time.perf_counter(),
-                           cache, held)
+                           cache, held, counts.get("passes"), args.draft == "mtp")
     if args.explain and not args.quiet:  # the limit decoding works against: what memory moves
         speed = bandwidth()
         print(f"Memory: this machine reads {speed / 1e9:.1f} GB/s (268 MB already in memory, "
@@ -1225,9 +1235,15 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
         by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
         share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
         print(f"Draft: {counts['drafted']} tokens drafted by {by}, {counts['accepted']} accepted"
-              f"{share}", flush=True)
+              f"{share}: {len(generated)} tokens in {counts['passes']} passes of the model",
+              flush=True)
     if args.explain:  # after the statistics: their times are the answer's alone
-        answer_forming(prompt_ids, generated, before, start, args, chunk)
+        try:
+            answer_forming(prompt_ids, generated, before, start, args.lens_tokens,
+                           args.temperature == 0, chunk)
+        except KeyboardInterrupt:
+            if not args.chat:  # a plain run ends at Ctrl-C; a chat keeps the answer and cache
+                raise
     return generated
 
 def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
@@ -1240,19 +1256,16 @@ def stream_text(token_ids):
     for token in token_ids:
         yield token, stream.step(TOK, token) or ""
 
-def print_stats(n_prompt, n, tic, t_first, cache, held):
+def print_stats(n_prompt, n, tic, t_first, cache, held, passes=None, mtp=False):
     """mlx_lm.generate's lines, counted as it counts (the prompt's rate: to the first token; the
     generation's: n tokens over the time since the first), then the KV cache's and the bytes a
-    token reads -> the bytes a second decoding read."""
+    pass of the model reads -> the bytes a second decoding read. passes: the model's, when
+    drafting made fewer than n (None: one a token); mtp: the MTP head drafted, reading its own."""
     rate = n / max(time.perf_counter() - t_first, 1e-9)              # tokens a second
     print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (t_first - tic):.3f} "
           "tokens-per-sec")
     print(f"Generation: {n} tokens, {rate:.3f} tokens-per-sec")
-    peaks = [mx.get_peak_memory()]
-    if GROUP is not None:  # every process's, gathered in one more sum (each fills its own slot)
-        mine = mx.zeros(GROUP.size())
-        mine[GROUP.rank()] = peaks[0]
-        peaks = mx.distributed.all_sum(mine, group=GROUP).tolist()
+    peaks = peak_memory()  # (several processes: each rank's)
     print("Peak memory: " + ", ".join(f"{peak / 1e9:.3f} GB" + (f" (rank {r})" if GROUP else "")
                                       for r, peak in enumerate(peaks)))
     print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
@@ -1260,26 +1273,35 @@ def print_stats(n_prompt, n, tic, t_first, cache, held):
     if MODEL == "qwen3_5":  # the other memory
         print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
               f"{cache_bytes(cache, kind='linear_attention') / 1e6:.3f} MB at any length")
-    weights, memory = token_bytes(cache, held + n)
+    weights, memory = token_bytes(cache, held + n, mtp)
+    per_pass = n / passes if passes else 1.0                          # tokens a pass
+    read = (weights + memory) / per_pass                              # bytes a token
+    drafted = "" if passes is None else f" a pass, {per_pass:.2f} tokens a pass: " \
+        f"{read / 1e6:.3f} MB a token"
     print(f"Bytes per token{'' if GROUP is None else ', rank 0'}: {weights / 1e6:.3f} MB of "
-          f"weights + {memory / 1e6:.3f} MB of cache, {(weights + memory) * rate / 1e9:.3f} GB/s "
-          f"at {rate:.3f} tokens-per-sec", flush=True)
-    if GROUP is not None:  # what joining the processes' parts costs a token
+          f"weights + {memory / 1e6:.3f} MB of cache{drafted}, {read * rate / 1e9:.3f} GB/s at "
+          f"{rate:.3f} tokens-per-sec", flush=True)
+    if GROUP is not None:  # what joining the processes' parts costs a pass
         x = mx.zeros((1, D), W["model.norm.weight"].dtype)            # a block's output, a token
-        seconds = all_sum_seconds(2 * N_LAYERS, x)
-        print(f"All-sums: {2 * N_LAYERS} a token (2 a block) over {GROUP.size()} processes, "
-              f"{x.nbytes / 1e3:.3f} kB each; timed alone, {seconds * 1e3:.3f} ms a token: "
-              f"{100 * seconds * rate:.1f}% of its time", flush=True)
-    return (weights + memory) * rate
+        sums = 2 * (N_LAYERS + mtp)  # (the MTP head's layer: 2 more)
+        seconds = all_sum_seconds(sums, x)
+        print(f"All-sums: {sums} a pass (2 a block) over {GROUP.size()} processes, "
+              f"{x.nbytes / 1e3:.3f} kB each; timed alone, {seconds * 1e3:.3f} ms a pass: "
+              f"{100 * seconds * rate / per_pass:.1f}% of its time", flush=True)
+    return read * rate
 
-def token_bytes(cache, held):
-    """What decoding one token reads -> (its weights' bytes, its cache's): each weight it uses
-    once (the embedding's one row left out, a tied table counted once as the LM head; the MTP
-    head's not at all), the keys and values of held positions, a DeltaNet's notes whole."""
-    skipped = ("model.embed_tokens", "mtp.", f"model.layers.{N_LAYERS}.")
+def token_bytes(cache, held, mtp=False):
+    """What a pass of the model over one token reads -> (its weights' bytes, its cache's): each
+    weight it uses once (the embedding's one row left out, a tied table counted once as the LM
+    head), the keys and values of held positions, a DeltaNet's notes whole. mtp: and the MTP
+    head's drafting, its own weights and the LM head again (not its small cache)."""
+    mtp_names = ("mtp.", f"model.layers.{N_LAYERS}.")  # the MTP head's (its layer: both names)
+    skipped = ("model.embed_tokens", *mtp_names)
     used = {id(w): w for name, w in W.items() if not name.startswith(skipped)}  # tied: once
-    return sum(w.nbytes for w in used.values()), \
-        cache_bytes(cache, held) + cache_bytes(cache, kind="linear_attention")
+    drafting = {id(w): w for name, w in W.items() if name.startswith(mtp_names)} if mtp else {}
+    lm_head = [w for name, w in W.items() if name.startswith("lm_head.")] if mtp else []
+    weights = sum(w.nbytes for w in [*used.values(), *drafting.values(), *lm_head])
+    return weights, cache_bytes(cache, held) + cache_bytes(cache, kind="linear_attention")
 
 def cache_bytes(cache, held=None, kind="full_attention"):
     """The keys' and values' bytes of positions 0..held-1 (or all the buffers hold);
@@ -1298,15 +1320,18 @@ def reply_batch(texts, prompts, args):
     terminal, a progress line meanwhile; then the batch's statistics."""
     if max(len(ids) for ids in prompts) + args.max_tokens > MAX_POS:
         print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
+    mx.reset_peak_memory()  # the batch's own peak
     tic, done, ended = time.perf_counter(), [[] for _ in prompts], []
-    for n, (i, token) in enumerate(generate_batch(prompts, args.max_tokens, sampler_of(args),
-                                                  args.batch_size, ended), 1):
-        done[i].append(token)
-        if sys.stderr.isatty() and n % 8 == 0:
-            print(f"\r[{len(ended)} of {len(prompts)} prompts done, {n} tokens]", end="",
-                  file=sys.stderr, flush=True)
+    tokens = generate_batch(prompts, args.max_tokens, sampler_of(args), args.batch_size, ended)
+    # At a terminal, a progress line meanwhile, taken away on every way out (leave=False).
+    with tqdm(total=len(prompts), file=sys.stderr, disable=not sys.stderr.isatty(), leave=False,
+              bar_format="[{n} of {total} prompts done, {postfix}]", postfix="0 tokens") as bar:
+        for n, (i, token) in enumerate(tokens, 1):
+            done[i].append(token)
+            if n % 8 == 0:
+                bar.set_postfix_str(f"{n} tokens", refresh=False)
+                bar.update(len(ended) - bar.n)
     seconds = time.perf_counter() - tic
-    print("\r\x1b[K" if sys.stderr.isatty() else "", end="", file=sys.stderr, flush=True)
     for text, ids in zip(texts, done):
         completion = "".join(piece for _, piece in stream_text(ids))  # as a single run prints it
         print(completion if args.quiet else "=" * 10 + "\n" + (f">> {text}\n" if args.chat else
@@ -1335,7 +1360,11 @@ STEP = 32  # tokens a chat at a terminal prefills between chances for Ctrl-C (ch
 @contextmanager
 def interruptible():
     """Inside: Ctrl-C raises KeyboardInterrupt (Python's own handler), for the code to tidy up or
-    stop an answer; after, on every way out: the caller's handler again."""
+    stop an answer; after, on every way out: the caller's handler again. Off the main thread,
+    where Python sets no handler (Ctrl-C reaches the main thread alone): nothing is changed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
@@ -1352,15 +1381,16 @@ def converse(args):
         import readline  # noqa: F401 (input() edits the line and keeps a history with it)
         print("Type a message and press Enter; an empty line or Ctrl-D ends the chat; Ctrl-C "
               "stops an answer.", file=sys.stderr)
-        args.quiet = args.quiet or not args.verbose
+        quieter = argparse.Namespace(**{**vars(args), "quiet": args.quiet or not args.verbose})
         with interruptible():  # the caller's Ctrl-C handler back when the chat ends
-            return chat_turns(args, at_terminal)
+            return chat_turns(quieter, at_terminal)
     chat_turns(args, at_terminal)
 
 def chat_turns(args, at_terminal):
     """converse()'s turns, each line read until an empty one, Ctrl-D or the input's end. At a
-    terminal the prompt is prefilled STEP tokens at a time: MLX computes a step whole, so Ctrl-C
-    takes effect after at most one (a CHUNK's wait would be seconds; prefill elsewhere keeps it)."""
+    terminal the prompt goes through the model STEP tokens at a time (--draft's passes too): MLX
+    computes a step whole, so Ctrl-C takes effect after at most one (a CHUNK's wait would be
+    seconds; through a pipe, CHUNK it is)."""
     turns, cache, cached_ids, saved, mark = [], [None] * N_LAYERS, [], None, 0
     think = args.think is not False  # (main() has read the template's way into it)
     while True:
@@ -1840,17 +1870,71 @@ def check_split(cfg, n):
         raise UserError(f"{n} processes cannot share this model's blocks: {n} does not divide its "
                         f"{', '.join(wrong)} (mlx.launch -n: a number that does)")
 
-def all_sum_seconds(n, x, tries=3):
-    """n all-sums of x over GROUP, each of the last one's sum (as a token's: each block needs the
-    one before), in one graph as decoding runs them, timed alone: the best of tries, seconds."""
-    best = math.inf
-    for _ in range(tries):
-        tic, y = time.perf_counter(), x
+def all_ranks_agree(group, step, *args):
+    """step(*args) -> its result. Several processes: each rank's UserError counted in one all_sum,
+    so that all go on or all end; an error every rank met is said once (rank 0), one rank's own
+    with its rank in front, and every line is out before any rank ends (mlx.launch ends the rest
+    when one ends with an error)."""
+    try:
+        result, failed = step(*args), None
+    except UserError as e:
+        result, failed = None, e
+    if group.size() > 1:
+        failures = mx.distributed.all_sum(mx.array(failed is not None, mx.int32), group=group)
+        if failures.item():
+            if failed and failures.item() < group.size():  # this rank's own: its rank in front
+                print(f"rank {group.rank()}: {failed.code}", file=sys.stderr, flush=True)
+            elif failed and group.rank() == 0:  # every rank's: rank 0 says it once
+                print(failed.code, file=sys.stderr, flush=True)
+            barrier(group)
+            raise SystemExit(1)
+    if failed:
+        raise failed
+    return result
+
+def check_launched(args):  # the flags mlx.launch cannot serve: it never ends the ranks' input
+    if "-" in (args.prompt or []):
+        raise UserError("--prompt - reads standard input to its end, which under mlx.launch never "
+                        "comes: give the prompt's text")
+    if args.chat and not args.prompt and not args.prompts:
+        raise UserError("--chat without --prompt is a conversation on standard input, which "
+                        "mlx.launch never ends: give --prompt, or chat in one process")
+
+def barrier(group):  # every rank waits here for all the others (a sum of nothing)
+    mx.distributed.all_sum(mx.array(0), group=group).item()
+
+@contextmanager
+def rank_zero_prints(group):
+    """Inside: rank 0 alone prints, the others compute beside it (their standard output goes to
+    os.devnull); after, on every way out, each rank's own sys.stdout again."""
+    if group.rank() == 0:
+        yield
+        return
+    stdout, sys.stdout = sys.stdout, open(os.devnull, "w")
+    try:
+        yield
+    finally:
+        sys.stdout.close()
+        sys.stdout = stdout
+
+def shared_seed(group):  # each process seeds itself at random: every rank takes rank 0's seed
+    mine = int.from_bytes(os.urandom(3), "little") if group.rank() == 0 else 0
+    return mx.distributed.all_sum(mx.array(mine), group=group).item()
+
+def peak_memory():  # this process's peak memory, bytes; several processes: each rank's, in order
+    peak = mx.array([mx.get_peak_memory()], mx.float32)
+    return (peak if GROUP is None else mx.distributed.all_gather(peak, group=GROUP)).tolist()
+
+def all_sum_seconds(n, x, tries=20):
+    """n all-sums of x over GROUP, each of the one before's sum (as a pass's: each block needs the
+    one before), in one graph as decoding runs them, timed alone: the best of tries, seconds. A
+    busy machine delays some tries by far more than a sum takes: the best is the sums' own."""
+    def chained():
+        y = x
         for _ in range(n):
             y = mx.distributed.all_sum(y, group=GROUP)
         mx.eval(y)
-        best = min(best, time.perf_counter() - tic)
-    return best
+    return min(timeit.repeat(chained, timer=time.perf_counter, number=1, repeat=tries))
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C stops at once; the shell sees 130
@@ -1871,5 +1955,5 @@ if __name__ == "__main__":
         if GROUP is None or GROUP.rank() == 0:  # (every rank's logits are the same: said once)
             print(f"error: {e} (--dtype float32)", file=sys.stderr, flush=True)
         if GROUP is not None:  # the line out before any rank ends (mlx.launch ends the rest)
-            mx.distributed.all_sum(mx.array(0), group=GROUP).item()
+            barrier(GROUP)
         sys.exit(1)

@@ -209,8 +209,9 @@ def draft_rows(folders, draft, runs, n_new=64):
             [(7 * i + 3) % vocab for i in range(16)]
         figures, counts = {"plain": [], "draft": [], "mlx-lm": []}, {}
         ways = {"plain": lambda: li.generate(prompt, max_tokens=n_new),
-                "draft": lambda: li.generate_draft(prompt, n_new, draft=draft,
-                                                   n_draft=1 if draft == "mtp" else 3, counts=counts),
+                "draft": lambda: li.generate_draft(prompt, n_new, drafter=li.MTPDrafter() if
+                                                   draft == "mtp" else li.PromptLookup(3),
+                                                   counts=counts),
                 "mlx-lm": lambda: MlxLm(model).generate(prompt, n_new)}
         for run in range(runs + 1):
             for name, way in ways.items():

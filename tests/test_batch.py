@@ -332,3 +332,39 @@ def test_the_batchs_attention_is_step_5s_mapped_over_its_rows(checkpoint):
         mapped = mx.vmap(li.attend)(q, k, v, visible)
         assert mx.array_equal(li.attend_batch(q, k, v, visible), mapped).item(), dtype
         assert mx.array_equal(mapped[1], li.attend(q[1], k[1], v[1], visible[1])).item()
+
+
+class FakeTerminal:
+    """A stderr that says it is a terminal and keeps what is written to it."""
+    def __init__(self):
+        self.written = []
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.written.append(text)
+
+    def flush(self):
+        pass
+
+
+def test_the_progress_line_is_taken_away_when_the_batch_fails(checkpoint, monkeypatch):
+    """At a terminal the batch shows a progress line; when the batch fails (here a row's logits
+    not finite, after 16 tokens), that line is gone from the screen before the error is said."""
+    li.load(checkpoint())
+    stderr = FakeTerminal()
+
+    def failing(*args):
+        for n in range(16):
+            yield n % 2, 5
+        raise li.not_finite("of prompt 1", mx.float16)
+
+    monkeypatch.setattr(li, "generate_batch", failing)
+    monkeypatch.setattr(li.sys, "stderr", stderr)
+    args = li.parse_args(["-p", "a", "-p", "b", "-m", "8"])
+    with pytest.raises(FloatingPointError):
+        li.reply_batch(["a", "b"], [[5, 6], [7, 8]], args)
+    text = "".join(stderr.written)
+    assert "prompts done" in text  # it was shown
+    assert text.split("\r")[-1].strip() == "" and text.endswith("\r"), repr(text)  # and is gone

@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 
 import llm_inference as li
-from test_cli_errors import ROOT, slow_checkpoint  # noqa: F401 (a fixture)
+from test_cli_errors import ROOT, run_cli, slow_checkpoint  # noqa: F401 (a fixture)
 
 
 # Run as `python -c HOLD_IN_PREFILL llm_inference.py FLAGS`: the program as its own __main__, but
@@ -40,8 +40,8 @@ def eval_holding(*args):
         frame = frame.f_back
     if not held and any("prefill" in name or name == "hidden_pass" for name in callers):
         held.append(callers)
-        print("[test: a prefill step is in the cache; waiting for Ctrl-C]", flush=True)
-        try:
+        try:  # (the marker inside: a Ctrl-C right after it is caught here too)
+            print("[test: a prefill step is in the cache; waiting for Ctrl-C]", flush=True)
             time.sleep(600)
         except KeyboardInterrupt:
             print("[test: Ctrl-C in the prefill]", flush=True)
@@ -292,3 +292,80 @@ def test_a_qwen35_turn_that_cannot_reuse_its_cache_starts_afresh(qwen35, tmp_pat
     turns = [text for line, ids in zip(lines, replies) for text in (line, li.TOK.decode(ids))]
     ids = li.tokenize(li.chat_prompt(turns[:-1]))
     assert replies[-1] == list(li.generate(ids, max_tokens=8))
+
+
+class TerminalInput(io.TextIOWrapper):
+    """Standard input as a terminal for converse(): isatty(), and input() given these lines."""
+    def isatty(self):
+        return True
+
+
+def typed(monkeypatch, lines):  # converse() at a terminal, the person typing lines, then Ctrl-D
+    monkeypatch.setattr(sys, "stdin", TerminalInput(io.BytesIO(b"")))
+    answers = iter(lines)
+
+    def read(prompt=""):
+        try:
+            return next(answers)
+        except StopIteration:
+            raise EOFError from None
+    monkeypatch.setattr("builtins.input", read)
+
+
+def test_converse_leaves_the_callers_args_as_they_were(checkpoint, monkeypatch, capsys):
+    """At a terminal the answers come alone (quiet): converse() makes that so for its own turns,
+    and the args it was given are as they were after it (a notebook's, say)."""
+    args = li.parse_args(["--model", str(checkpoint()), "--chat", "-m", "2"])
+    li.load(args.model)
+    before = dict(vars(args))
+    typed(monkeypatch, ["Hello there"])
+    li.converse(args)
+    assert "Peak memory" not in capsys.readouterr().out  # quiet, as mlx_lm.chat
+    assert vars(args) == before
+
+
+@pytest.mark.parametrize("draft", [None, "lookup", "mtp"])
+@pytest.mark.parametrize("at_terminal", [True, False])
+def test_a_chats_passes_take_step_tokens_at_a_terminal(checkpoint, qwen35, monkeypatch, capsys,
+                                                       draft, at_terminal):
+    """At a terminal every pass of the model over a turn's prompt takes at most STEP tokens, so
+    that Ctrl-C takes effect within a few tokens, --draft's passes too (the MTP head's reading of
+    the prompt among them); through a pipe, a long prompt goes CHUNK at a time."""
+    folder = qwen35(mtp="agree") if draft == "mtp" else checkpoint()
+    line = "The capital of France is Paris. " * 12  # ~100 tokens
+    lengths, forward, mtp_logits = [], li.forward, li.mtp_logits
+
+    def counted(token_ids, *args):
+        lengths.append(len(token_ids))
+        return forward(token_ids, *args)
+
+    def mtp_counted(tokens, *args):
+        lengths.append(len(tokens))
+        return mtp_logits(tokens, *args)
+
+    monkeypatch.setattr(li, "forward", counted)
+    monkeypatch.setattr(li, "mtp_logits", mtp_counted)
+    args = li.parse_args(["--model", str(folder), "--chat", "-m", "2"] +
+                         (["--draft", draft] if draft else []))
+    li.load(folder)
+    if at_terminal:
+        typed(monkeypatch, [line])
+    else:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(line.encode() + b"\n")))
+    li.converse(args)
+    capsys.readouterr()
+    assert len(li.tokenize(line)) > 3 * li.STEP
+    if at_terminal:
+        assert max(lengths) <= li.STEP, lengths
+    else:
+        assert max(lengths) > li.STEP, lengths
+
+
+def test_each_answers_peak_memory_is_its_own(checkpoint):
+    """A chat through a pipe with --explain: the second answer's peak is its own, not the first
+    answer's --explain probe's 268 MB (the model here is a megabyte)."""
+    r = run_cli("--model", str(checkpoint()), "--chat", "--explain", "-m", "3",
+                stdin=b"Hello there\nAnd Japan?\n")
+    peaks = [float(p) for p in re.findall(r"Peak memory: ([\d.]+) GB", r.stdout)]
+    assert r.returncode == 0 and len(peaks) == 2, r.stderr
+    assert peaks[1] < 0.1, peaks

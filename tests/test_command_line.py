@@ -4,6 +4,8 @@ import argparse
 import re
 import time
 
+import pytest
+
 import llm_inference as li
 from test_cli_errors import assert_error, run_cli, save_weights
 
@@ -109,3 +111,73 @@ def test_one_logit_that_is_not_finite_stops_before_any_text(checkpoint, tokenize
     assert_error(r, "not finite")
     assert "==========" not in r.stdout
     assert run_cli("--model", str(folder), "--prompt", "Once upon a time").returncode == 0
+
+
+def test_drafting_counts_the_models_passes(checkpoint, tokenizer, monkeypatch, capsys):
+    """Under --draft a pass of the model serves 1 + its accepted drafts: the bytes line says what
+    a pass reads, the tokens a pass, and from them what a token reads and the GB/s at the rate
+    (counting a pass a token would overstate both). The clock fixed as above."""
+    li.load(checkpoint())
+    ids = tokenizer.encode("1 2 3 1 2 3 1 2 3 1 2").ids
+    cache, counts = [None] * li.N_LAYERS, {}
+    generated = list(li.generate_draft(ids, max_tokens=12, drafter=li.PromptLookup(3),
+                                       cache=cache, counts=counts))
+    n, held, passes = len(generated), len(ids), counts["passes"]
+    assert n == 12 and counts["accepted"] > 0 and passes == n - counts["accepted"]
+    monkeypatch.setattr(li.time, "perf_counter", lambda: 1.0 + 2**-10)
+    returned = li.print_stats(held, n, 0.0, 1.0, cache, held, passes)
+    out = capsys.readouterr().out
+    rate, per_pass = n * 2**10, n / passes
+    weights, memory = li.token_bytes(cache, held + n)
+    read = (weights + memory) / per_pass
+    assert (f"Bytes per token: {weights / 1e6:.3f} MB of weights + {memory / 1e6:.3f} MB of cache "
+            f"a pass, {per_pass:.2f} tokens a pass: {read / 1e6:.3f} MB a token, "
+            f"{read * rate / 1e9:.3f} GB/s at {rate:.3f} tokens-per-sec") in out, out
+    assert returned == read * rate
+
+
+def test_the_mtp_heads_drafting_is_read_each_pass(qwen35):
+    """--draft mtp: each pass also reads the MTP head's own layer and the LM head once more (its
+    logits); token_bytes() counts them when asked, each tensor once."""
+    li.load(qwen35(mtp="agree"))
+    plain, _ = li.token_bytes([], 0)
+    drafting, _ = li.token_bytes([], 0, mtp=True)
+    own = {id(w): w for name, w in li.W.items() if name.startswith("mtp.")}
+    assert own and drafting - plain == sum(w.nbytes for w in own.values()) + \
+        li.W["lm_head.weight"].nbytes
+
+
+@pytest.mark.parametrize("shows", ["explain", "show_probs"])
+def test_the_prompt_clock_leaves_out_what_explain_and_show_probs_do(checkpoint, tokenizer,
+                                                                    monkeypatch, capsys, shows):
+    """--explain's and --show-probs' own work (here: 100 s on the clock) happens before the first
+    token but is not the prompt's: the Prompt rate's clock leaves it out."""
+    li.load(checkpoint())
+    ids = tokenizer.encode("Once upon a time").ids
+    clock = Clock()
+
+    def slow_view(*args):
+        clock.now += 100
+        return [(0, 1.0)]
+
+    monkeypatch.setattr(li.time, "perf_counter", clock)
+    monkeypatch.setattr(li, "explain" if shows == "explain" else "top_tokens", slow_view)
+    monkeypatch.setattr(li, "bandwidth", lambda: 1e12)
+    monkeypatch.setattr(li, "answer_forming", lambda *args: None)
+    args = argparse.Namespace(max_tokens=3, explain=shows == "explain", draft=None, quiet=False,
+                              show_probs=2 if shows == "show_probs" else 0, temperature=0.0,
+                              top_p=1.0, top_k=0, min_p=0.0, chat=False, lens_tokens=64)
+    li.reply(ids, args, [None] * li.N_LAYERS)
+    rate = float(re.search(r"Prompt: \d+ tokens, ([\d.]+) tokens-per-sec", capsys.readouterr().out)[1])
+    assert len(ids) / rate < 10  # seconds: the prompt's own, not the 100 s
+
+
+def test_help_gives_lens_tokens_default_and_rms_norms_docstring_its_own(checkpoint):
+    """--help says --lens-tokens' default (64, not None); rms_norm()'s docstring says the default
+    its signature has."""
+    import inspect
+    text = " ".join(run_cli("--help").stdout.split())
+    after = text[text.index(" --lens-tokens N "):]
+    assert re.search(r"\(default: ([^)]*)\)", after).group(1) == "64"
+    default = inspect.signature(li.rms_norm).parameters["eps"].default
+    assert float(re.search(r"eps: ([\de.-]+),", li.rms_norm.__doc__)[1]) == default == 1e-6

@@ -22,9 +22,15 @@ TEXTS = ["The capital of France is", "a", "Once upon a time there was a small mo
 HEADS = [dict(mtp="random"), dict(mtp="agree", layers_scale=2.0), dict(mtp="agree", layers_scale=0.0)]
 
 
-def drafted(ids, n, **options):
+def new_drafter(draft, start=0, k=3):
+    """A drafter of that kind for one generate_draft() call (the MTP head's cache is its own)."""
+    return li.MTPDrafter(start) if draft == "mtp" else li.PromptLookup(k)
+
+
+def drafted(ids, n, draft, k=3, **options):
     counts = {}
-    return list(li.generate_draft(ids, max_tokens=n, counts=counts, **options)), counts
+    return list(li.generate_draft(ids, max_tokens=n, drafter=new_drafter(draft, k=k),
+                                  counts=counts, **options)), counts
 
 
 @pytest.mark.parametrize("head", HEADS, ids=["random", "in-between", "agreeing"])
@@ -35,7 +41,7 @@ def test_mtp_drafts_give_generates_ids(qwen35, head):
     total = {"drafted": 0, "accepted": 0}
     for text in TEXTS:
         ids = li.tokenize(text)
-        ours, counts = drafted(ids, 24, draft="mtp")
+        ours, counts = drafted(ids, 24, "mtp")
         assert ours == list(li.generate(ids, max_tokens=24))
         total = {k: total[k] + counts[k] for k in total}
     share = total["accepted"] / total["drafted"]
@@ -50,7 +56,7 @@ def test_the_agreeing_head_drafts_the_models_next_token(qwen35):
     [embedding, h], or skipped a norm, they would not.)"""
     li.load(qwen35(mtp="agree", layers_scale=0.0, tied=False))  # untied: no id maps to itself
     ids = li.tokenize(TEXTS[2])
-    ours, counts = drafted(ids, 30, draft="mtp")
+    ours, counts = drafted(ids, 30, "mtp")
     assert ours == list(li.generate(ids, max_tokens=30)) and len(set(ours)) > 5
     assert counts["accepted"] == counts["drafted"] > 10
 
@@ -61,23 +67,33 @@ def test_prompt_lookup_gives_generates_ids(checkpoint, qwen35, model, k):
     li.load(checkpoint() if model == "qwen3" else qwen35(mtp="none"))
     for text in TEXTS + ["a a a a a a a a", "1 2 3 1 2 3 1 2 3 1 2"]:
         ids = li.tokenize(text)
-        assert drafted(ids, 20, draft="lookup", n_draft=k)[0] == list(li.generate(ids, max_tokens=20))
+        assert drafted(ids, 20, "lookup", k)[0] == list(li.generate(ids, max_tokens=20))
+
+
+def lookup(history, n_draft):  # PromptLookup's drafts after history (its last id: the token)
+    return li.PromptLookup(n_draft).draft(history[:-1], history[-1], None).tolist()
 
 
 def test_lookup_drafts_what_followed_before():
     history = [5, 6, 7, 8, 9, 5, 6, 7]
-    assert li.lookup_draft(history, 2) == [8, 9] and li.lookup_draft(history, 5) == [8, 9, 5, 6, 7]
-    assert li.lookup_draft([1, 2, 3], 2) == [] and li.lookup_draft([4, 4], 3) == [4]
+    assert lookup(history, 2) == [8, 9] and lookup(history, 5) == [8, 9, 5, 6, 7]
+    assert lookup([1, 2, 3], 2) == [] and lookup([4, 4], 3) == [4]
 
 
-def test_a_chunked_prompt_and_the_contexts_end(qwen35, monkeypatch):
-    """A prompt longer than a chunk (CHUNK made 4 here), and a context that ends mid-draft."""
-    monkeypatch.setattr(li, "CHUNK", 4)
+def test_a_chunked_prompt_and_the_contexts_end(qwen35):
+    """A prompt longer than a chunk (4 here), through the model and the MTP head, and a context
+    that ends mid-draft: the same ids, and the same drafts accepted as unchunked."""
     li.load(qwen35(mtp="agree", layers_scale=2.0, max_position_embeddings=40))
     ids = li.tokenize(TEXTS[2])
+    assert len(ids) > 8
     for draft in ("mtp", "lookup"):
-        ours = drafted(ids, 100, draft=draft)[0]
+        cache, counts = [None] * li.N_LAYERS, {}
+        hidden = li.hidden_pass(ids, cache, 0, chunk=4)
+        drafter = li.MTPDrafter(chunk=4) if draft == "mtp" else li.PromptLookup()
+        ours = list(li.generate_draft(ids, 100, drafter=drafter, cache=cache, hidden=hidden,
+                                      counts=counts))
         assert ours == list(li.generate(ids, max_tokens=100)) and len(ours) == 40 - len(ids)
+        assert counts == drafted(ids, 100, draft)[1] and counts["accepted"] > 0
 
 
 def test_eos_inside_an_accepted_draft(qwen35, monkeypatch):
@@ -91,7 +107,7 @@ def test_eos_inside_an_accepted_draft(qwen35, monkeypatch):
     for j in [j for j in range(1, 20) if free[j] not in free[:j]]:
         monkeypatch.setattr(li, "EOS_IDS", eos | {free[j]})
         cache = [None] * li.N_LAYERS
-        assert list(li.generate_draft(ids, max_tokens=20, draft="mtp", cache=cache)) == free[:j]
+        assert list(li.generate_draft(ids, max_tokens=20, drafter=li.MTPDrafter(), cache=cache)) == free[:j]
         continued = list(li.generate(after, max_tokens=4, cache=cache, start=len(ids) + j))
         assert continued == list(li.generate(ids + free[:j] + after, max_tokens=4))
 
@@ -103,10 +119,10 @@ def test_the_cache_holds_what_was_yielded(qwen35, draft):
     li.load(qwen35(mtp="agree", layers_scale=2.0))
     ids = li.tokenize(TEXTS[3])
     cache = [None] * li.N_LAYERS
-    ours = list(li.generate_draft(ids, max_tokens=15, draft=draft, cache=cache))
+    ours = list(li.generate_draft(ids, max_tokens=15, drafter=new_drafter(draft), cache=cache))
     after = li.tokenize(" Next")
-    assert list(li.generate_draft(after, max_tokens=8, draft=draft, cache=cache,
-                                  start=len(ids) + 15)) == \
+    assert list(li.generate_draft(after, max_tokens=8, drafter=new_drafter(draft, len(ids) + 15),
+                                  cache=cache, start=len(ids) + 15)) == \
         list(li.generate(ids + ours + after, max_tokens=8))
 
 
@@ -117,7 +133,7 @@ def test_sampling_keeps_the_models_distribution(qwen35):
     li.load(qwen35(mtp="agree", layers_scale=2.0))
     ids = li.tokenize(TEXTS[0])
     mx.random.seed(0)
-    draws = [drafted(ids, 2, draft="mtp", sampler=partial(li.sample, temperature=1.0))[0] for _ in range(400)]
+    draws = [drafted(ids, 2, "mtp", sampler=partial(li.sample, temperature=1.0))[0] for _ in range(400)]
     expected = np.zeros(li.W["model.embed_tokens.weight"].shape[0])
     seen = np.zeros_like(expected)
     probs = {}
@@ -290,7 +306,7 @@ def test_every_draft_comes_from_the_whole_history(qwen35, monkeypatch, text):
     li.load(qwen35(mtp="random"))
     ids = li.tokenize(text)
     calls = recording_head(monkeypatch)
-    ours = list(li.generate_draft(ids, max_tokens=16, draft="mtp"))
+    ours = list(li.generate_draft(ids, max_tokens=16, drafter=li.MTPDrafter()))
     assert ours == list(li.generate(ids, max_tokens=16))
     history = ids + ours
     ref = ReferenceHead(qwen35(mtp="random"))
@@ -318,7 +334,7 @@ def test_an_eos_the_head_drafts_and_the_model_chooses_ends_the_ids(qwen35, monke
     li.load(qwen35(mtp="agree", layers_scale=0.0, tied=False))
     ids = li.tokenize(TEXTS[2])
     free, eos, after = list(li.generate(ids, max_tokens=16)), li.EOS_IDS, li.tokenize(" more")
-    ours, counts = drafted(ids, 16, draft="mtp")
+    ours, counts = drafted(ids, 16, "mtp")
     assert ours == free and counts["accepted"] == counts["drafted"] == 8  # ids 1, 3, .., 15
     new = [j for j in range(1, 16) if free[j] not in free[:j]]
     assert sum(j % 2 for j in new) >= 4, new  # EOS ids the head drafts and the model accepts
@@ -326,7 +342,7 @@ def test_an_eos_the_head_drafts_and_the_model_chooses_ends_the_ids(qwen35, monke
         monkeypatch.setattr(li, "EOS_IDS", eos | {free[j]})
         cache = [None] * li.N_LAYERS
         assert list(li.generate(ids, max_tokens=16)) == free[:j]
-        assert list(li.generate_draft(ids, max_tokens=16, draft="mtp", cache=cache)) == free[:j], j
+        assert list(li.generate_draft(ids, max_tokens=16, drafter=li.MTPDrafter(), cache=cache)) == free[:j], j
         continued = list(li.generate(after, max_tokens=3, cache=cache, start=len(ids) + j))
         assert continued == list(li.generate(ids + free[:j] + after, max_tokens=3)), j
 
@@ -373,9 +389,9 @@ def test_one_nan_logit_raises_as_generate_does(qwen35, monkeypatch, head, i):
     li.load(qwen35(mtp="random") if head == "random" else
             qwen35(mtp="agree", layers_scale=0.0, tied=False))
     ids = li.tokenize(TEXTS[2])
-    free, counts = drafted(ids, 10, draft="mtp")
+    free, counts = drafted(ids, 10, "mtp")
     assert free == list(li.generate(ids, max_tokens=10))
     assert counts["accepted"] == (0 if head == "random" else counts["drafted"])
     poison_one_logit(monkeypatch, ids, free, i)
     assert yielded_then_raised(li.generate(ids, max_tokens=10)) == free[:i]
-    assert yielded_then_raised(li.generate_draft(ids, max_tokens=10, draft="mtp")) == free[:i]
+    assert yielded_then_raised(li.generate_draft(ids, max_tokens=10, drafter=li.MTPDrafter())) == free[:i]

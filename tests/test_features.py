@@ -332,3 +332,23 @@ def test_a_terminal_chat_gives_the_callers_ctrl_c_handler_back(checkpoint, monke
         assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_interruptible_off_the_main_thread_changes_nothing():
+    """interruptible() called from another thread (a notebook's worker, say): Python lets only the
+    main thread set a signal handler, so it sets none, raises nothing, and leaves the handler."""
+    import signal
+    import threading
+    mine, seen = signal.getsignal(signal.SIGINT), []
+
+    def work():
+        try:
+            with li.interruptible():
+                seen.append(signal.getsignal(signal.SIGINT))
+        except Exception as e:  # what the test reports, not a way out of the code under test
+            seen.append(e)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen == [mine] and signal.getsignal(signal.SIGINT) is mine

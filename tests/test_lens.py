@@ -261,11 +261,11 @@ def odd_tokens(checkpoint, monkeypatch):
     li.load(checkpoint())
     tok = build_tokenizer()
     tok.add_tokens(["日本の首都です", "日本", "e\u0301x", "a\u00a0b", "❤\ufe0f!", "👨\u200d👩\u200d👧",
-                    "x\ufffdy", "\u0301ab"])
+                    "x\ufffdy", "\u0301ab", "，"])
     monkeypatch.setattr(li, "TOK", tok)
     ids = {text: tok.token_to_id(text) for text in ["日本の首都です", "日本", "e\u0301x", "<|endoftext|>",
                                                     "a\u00a0b", "❤\ufe0f!", "👨\u200d👩\u200d👧", "x\ufffdy",
-                                                    "\u0301ab"]}
+                                                    "\u0301ab", "，"]}
     ids.update({" is": tok.encode(" is").ids[0], "\n": tok.encode("\n").ids[0],
                 "\t": tok.encode("\t").ids[0], "half": tok.encode("日").ids[0],
                 "none": li.W["lm_head.weight"].shape[0] - 1})
@@ -277,7 +277,8 @@ def odd_tokens(checkpoint, monkeypatch):
 CELLS = {" is": "·is    ", "\n": "↵      ", "\t": "U+0009 ", "日本の首都です": "日本の…",
          "日本": "日本   ", "e\u0301x": "e\u0301x     ", "<|endoftext|>": "<|endo…",
          "a\u00a0b": "a…     ", "❤\ufe0f!": "❤\ufe0f!    ", "👨\u200d👩\u200d👧": "👨…    ",
-         "x\ufffdy": "x\ufffdy    ", "\u0301ab": "◌\u0301ab    "}
+         "x\ufffdy": "x\ufffdy    ", "\u0301ab": "◌\u0301ab    ",
+         "，": "，     "}  # (U+FF0C, a fullwidth comma: two columns, as 日 is)
 
 
 def test_cell_rules(odd_tokens):
@@ -536,3 +537,25 @@ def test_each_chat_turn_draws_its_answers_grid(checkpoint, tokenizer):
         _, numbers, rows, _, _ = parse_picture(turn)
         assert numbers == list(range(1, len(rows[li.N_LAYERS]) + 1))
         assert all(marked for _, _, marked in rows[li.N_LAYERS])  # float32, greedy
+
+
+def test_near_tie_notes_name_the_answers_own_tokens_in_a_window(checkpoint, monkeypatch, capsys):
+    """Only the answer's last 4 of 10 tokens drawn: a column whose top row is not the token written
+    (here the 2nd and 4th drawn: tokens 8 and 10) is named by its place in the answer, with its own
+    two probabilities; the others, and every column when sampling, get no note."""
+    li.load(checkpoint())
+    generated = list(range(20, 30))
+    top = [g if j not in (1, 3) else 99 for j, g in enumerate(generated[6:])]
+    p_top, p = [0.5, 0.61, 0.5, 0.73], [0.5, 0.39, 0.5, 0.27]
+
+    def lens(token_ids, written, *args, **kwargs):  # the last block's row is the one read
+        assert written == generated[6:]
+        return [li.mx.array([row] * li.N_LAYERS) for row in (top, p, p_top)]
+
+    monkeypatch.setattr(li, "logit_lens", lens)
+    li.answer_forming([5, 6, 7], generated, [None] * li.N_LAYERS, 0, columns=4)
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[note")]
+    assert [re.match(r"\[note: token (\d+): the top row's ([\d.]+) against ([\d.]+)", line).groups()
+            for line in notes] == [("8", "0.6100", "0.3900"), ("10", "0.7300", "0.2700")]
+    li.answer_forming([5, 6, 7], generated, [None] * li.N_LAYERS, 0, columns=4, greedy=False)
+    assert "[note" not in capsys.readouterr().out

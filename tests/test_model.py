@@ -227,7 +227,7 @@ def test_generation_stops_on_any_eos_id(checkpoint, tokenizer, where):
 
 @pytest.mark.parametrize("load", ["load", "load_checked"])
 def test_load_reads_every_constant_from_config(checkpoint, load):
-    """Part I's plain load() and Part III's load_checked() fill the same names."""
+    """Part I's plain load() and Part IV's load_checked() fill the same names."""
     cfg = getattr(li, load)(checkpoint(num_hidden_layers=2, head_dim=16, num_key_value_heads=1,
                                        eos_extra=[7]))
     assert (li.N_LAYERS, li.D_HEAD, li.N_KV, li.N_HEADS, li.D) == (2, 16, 1, 4, 64)

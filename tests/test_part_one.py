@@ -50,7 +50,7 @@ def part_one_alone(folder, dtype):
 def test_part_one_alone_gives_the_whole_files_tokens(checkpoint, options, dtype):
     folder = checkpoint(**options)
     alone = part_one_alone(folder, dtype)
-    li.load_checked(folder, None if dtype == "none" else getattr(mx, dtype))  # Part III's loading
+    li.load_checked(folder, None if dtype == "none" else getattr(mx, dtype))  # Part IV's loading
     ids = li.tokenize(PROMPT)
     assert alone["greedy"] == list(li.generate(ids, max_tokens=12)) and len(alone["greedy"]) > 0
     mx.random.seed(7)
@@ -73,13 +73,28 @@ def test_part_one_is_what_its_banner_says():
     assert (fresh["EPS"], fresh["THETA"], fresh["MAX_POS"]) == (1e-6, 1e6, 40960)
 
 
-def test_the_articles_apply_rope_call_says_ours(checkpoint):
+def test_the_articles_apply_rope_call_says_ours_for_its_layout(checkpoint):
+    """The article's call, apply_rope(q, k, positions), on its heads-first q (16, L, 128): a
+    TypeError whose hint, run as written, turns q as the article's rotate() does. With as many
+    positions as heads (16 on 0.6B), a positions-first call on that q broadcasts without an error
+    and turns it wrongly: the hint must not lead there."""
     li.load(checkpoint())
-    q = mx.ones((3, li.N_HEADS, li.D_HEAD))
-    with pytest.raises(TypeError, match=r"apply_rope\(q, \*rope_tables\(mx.array\(pos\), q.dtype\)\)"):
-        li.apply_rope(q, q, [0, 1, 2])
-    pos = [0, 1, 2]  # the hint's call runs as written
-    assert li.apply_rope(q, *li.rope_tables(mx.array(pos), q.dtype)).shape == q.shape
+    L, half = li.N_HEADS, li.D_HEAD // 2
+    q = mx.random.normal((li.N_HEADS, L, li.D_HEAD), key=mx.random.key(1))  # heads first
+    positions = list(range(5, 5 + L))
+    with pytest.raises(TypeError) as raised:
+        li.apply_rope(q, q, mx.array(positions))
+    hint = str(raised.value).rsplit(": ", 1)[1]
+    names = dict(apply_rope=li.apply_rope, rope_tables=li.rope_tables, mx=mx, q=q,
+                 positions=positions)
+    freqs = 1.0 / (li.THETA ** (mx.arange(half, dtype=mx.float32) / half))  # the article's
+    angles = mx.array(positions, dtype=mx.float32)[:, None] * freqs[None, :]
+    cos, sin = mx.cos(angles)[None, :, :], mx.sin(angles)[None, :, :]
+    x1, x2 = q[..., :half], q[..., half:]
+    rotated = mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    assert mx.allclose(eval(hint, names), rotated, atol=1e-5)
+    unturned = li.apply_rope(q, *li.rope_tables(mx.array(positions), q.dtype))  # runs, wrongly
+    assert not mx.allclose(unturned, rotated, atol=1e-2)
 
 
 @pytest.fixture
@@ -106,7 +121,7 @@ def four_files(checkpoint, tokenizer, tmp_path):
 
 def test_part_one_and_the_full_loader_agree_on_eos(four_files, tokenizer):
     """Without generation_config.json, Qwen3's two EOS ids come from the tokenizer: Part I's load()
-    and Part III's load_checked() both stop on <|im_end|> and <|endoftext|>, though config.json
+    and Part IV's load_checked() both stop on <|im_end|> and <|endoftext|>, though config.json
     names only the second. The greedy answer here would open with <|im_end|>: no token at all,
     in the whole file and in Part I alone."""
     im_end, endoftext = tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")

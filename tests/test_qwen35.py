@@ -113,12 +113,11 @@ def test_cached_steps_equal_one_forward(qwen35, tokenizer, steps):
     assert cache[3][0].shape == (2, 256, 32)  # the full-attention layer: keys (KV, room, hd)
 
 
-def test_chunked_prefill_equals_one_forward(qwen35, tokenizer, monkeypatch):
+def test_chunked_prefill_equals_one_forward(qwen35, tokenizer):
     li.load(qwen35())
-    ids = tokenizer.encode(TEXT).ids
-    monkeypatch.setattr(li, "CHUNK", 8)  # 31 tokens: chunks of 8, 8, 8, 6, then the last token
+    ids = tokenizer.encode(TEXT).ids  # 31 tokens: chunks of 8, 8, 8, 6, then the last token
     full = li.forward(ids, [None] * li.N_LAYERS, 0)[-1]
-    assert rel_err(li.prefill(ids, [None] * li.N_LAYERS), full) < 1e-5
+    assert rel_err(li.prefill(ids, [None] * li.N_LAYERS, chunk=8), full) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

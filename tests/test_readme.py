@@ -7,7 +7,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_step_links_land_on_their_banners():
     """Each `[Step N](llm_inference.py#Lk)` link points at the banner of Step N, so that a reader
-    with the article open goes from the README to any step's code in one jump."""
+    with the article open goes from the README to any step's code in one jump; each other link
+    at the banner of the part or section it names, the four parts among them."""
     readme = (ROOT / "README.md").read_text()
     lines = (ROOT / "llm_inference.py").read_text().splitlines()
     links = [(label, int(n)) for label, n in
@@ -16,8 +17,11 @@ def test_step_links_land_on_their_banners():
     assert [label for label, _ in steps] == [f"Step {i}" for i in range(1, 10)]
     for label, n in steps:
         assert lines[n - 1].startswith(f"# ═══ {label}. "), (label, n, lines[n - 1])
-    for label, n in links:
-        assert lines[n - 1].startswith("# ═══ "), (label, n, lines[n - 1])  # every link: a banner
+    for label, n in links:  # every link: a banner, a part's or a section's, of what it names
+        assert lines[n - 1].startswith(("# ═══ ", "# ─── ")), (label, n, lines[n - 1])
+        assert label.lower().split(",")[0] in lines[n - 1].lower(), (label, lines[n - 1])
+    parts = [label for label, n in links if lines[n - 1].startswith("# ═══ Part ")]
+    assert parts == ["Part I", "Part II", "Part III", "Part IV"]  # the four, in order
 
 
 def test_the_readme_tiny_checkpoint_commands_run_as_written(tmp_path):

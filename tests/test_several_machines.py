@@ -413,3 +413,95 @@ def test_a_conversation_is_refused(checkpoint):
     errors = error_lines(r.stderr)
     assert len(errors) == 1 and errors[0].startswith("error: ") and "--chat" in errors[0], shown(r)
     assert "==========" not in r.stdout
+
+
+# ─── The launcher's own lines, as a caller meets them ───
+
+class Rank:  # a stand-in for mx.distributed's group, as rank r of n sees it
+    def __init__(self, r, n=2):
+        self.r, self.n = r, n
+
+    def rank(self):
+        return self.r
+
+    def size(self):
+        return self.n
+
+
+@pytest.mark.parametrize("way_out", ["return", "exception"])
+def test_ranks_after_0_get_their_stdout_back(way_out):
+    """rank_zero_prints(): rank 0 prints; another rank's output goes nowhere inside, and its own
+    sys.stdout is back after, whichever way the block ends."""
+    import sys as system
+    import llm_inference as li
+    mine = system.stdout
+    for r in (0, 1):
+        try:
+            with li.rank_zero_prints(Rank(r)):
+                assert (system.stdout is mine) == (r == 0)
+                if way_out == "exception":
+                    raise ValueError("a bug")
+        except ValueError:
+            pass
+        assert system.stdout is mine
+
+
+def test_the_all_sums_timed_are_chained_as_a_pass_runs_them(monkeypatch):
+    """all_sum_seconds(): each sum takes the one before's result (a block waits for the one
+    before), all in one graph evaluated once per try; the best of the tries."""
+    import llm_inference as li
+    given, made = [], []
+
+    def all_sum(x, group=None):
+        given.append(x)
+        made.append(x + 1)
+        return made[-1]
+
+    monkeypatch.setattr(li.mx.distributed, "all_sum", all_sum)
+    x = mx.zeros((1, 4))
+    li.all_sum_seconds(5, x, tries=3)
+    assert len(given) == 15
+    for t in range(3):
+        assert given[5 * t] is x and all(given[5 * t + i] is made[5 * t + i - 1] for i in range(1, 5))
+
+
+@pytest.mark.parametrize("width", ["query heads", "MLP features", "DeltaNet values"])
+def test_quantised_groups_that_straddle_a_split_are_refused(width):
+    """2 processes that divide every count, but whose share of one split input (o_proj's, down's,
+    out_proj's: 192 numbers a row, 3 whole groups of 64) is 96, a group cut in two: refused
+    before any weight is read. With 128 a rank (2 groups each), it runs."""
+    import llm_inference as li
+    cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+           "intermediate_size": 256, "quantization": {"group_size": 64, "bits": 4},
+           "qwen35": {"linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                      "linear_value_head_dim": 128}}
+    li.check_split(cfg, 2)  # 256 numbers a row in each: 128 a rank, whole groups
+    if width == "query heads":
+        cfg["num_attention_heads"], cfg["head_dim"] = 6, 32  # 192
+    elif width == "MLP features":
+        cfg["intermediate_size"] = 192
+    else:
+        cfg["qwen35"]["linear_value_head_dim"] = 96  # 2 x 96 = 192
+    with pytest.raises(li.UserError, match="the quantisation's groups of 64"):
+        li.check_split(cfg, 2)
+
+
+def test_drafting_under_two_processes_counts_its_passes(qwen35):
+    """--draft mtp --explain under mlx.launch -n 2: a pass of the model serves 1 + its accepted
+    drafts, and has 2 all-sums a block, its MTP head's layer one more block: the All-sums line
+    counts them a pass and gives their share of a pass's time, which the rate and the passes
+    printed give back (it was a token's, and over 100% when drafts were accepted)."""
+    r = launch(2, "--model", qwen35(mtp="agree"), "-p", PROMPT, "-m", "12", "--draft", "mtp",
+               "--explain", "--lens-tokens", "1")
+    assert error_lines(r.stderr) == [], shown(r)
+    import llm_inference as li
+    li.load(qwen35(mtp="agree"))
+    n, rate = re.search(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec", r.stdout).groups()
+    passes = re.search(r"(\d+) tokens in (\d+) passes of the model", r.stdout)
+    sums = re.search(r"All-sums: (\d+) a pass \(2 a block\) over 2 processes, [\d.]+ kB each; timed "
+                     r"alone, ([\d.]+) ms a pass: ([\d.]+)% of its time", r.stdout)
+    assert passes and sums and passes[1] == n, shown(r)
+    assert int(sums[1]) == 2 * (li.N_LAYERS + 1)
+    per_pass = int(n) / int(passes[2])
+    share = 100 * float(sums[2]) / 1e3 * float(rate) / per_pass
+    assert float(sums[3]) == pytest.approx(share, rel=0.02, abs=0.15), shown(r)

@@ -92,12 +92,16 @@ def check_continuation(prompt, full, k, cache):
 # are accepted within its first N ids (Qwen3: drafts of 3 accepted whole; Qwen3.5: a draft of 2 of
 # which the first is accepted, so its DeltaNet must go back one id).
 CASES = {
-    "generate-qwen3": ("qwen3", "The capital of France is", 6, {}),
-    "generate-qwen35": ("qwen35", "a a a a a a a a", 6, {}),
-    "mtp-qwen35": ("qwen35-mtp", "Once upon a time there was a small model that", 10, dict(draft="mtp")),
-    "lookup-qwen3": ("qwen3", "1 2 3 1 2 3 1 2 3 1 2", 14, dict(draft="lookup", n_draft=3)),
-    "lookup-qwen35": ("qwen35", "a a a a a a a a", 8, dict(draft="lookup", n_draft=3)),
+    "generate-qwen3": ("qwen3", "The capital of France is", 6, None),
+    "generate-qwen35": ("qwen35", "a a a a a a a a", 6, None),
+    "mtp-qwen35": ("qwen35-mtp", "Once upon a time there was a small model that", 10, "mtp"),
+    "lookup-qwen3": ("qwen3", "1 2 3 1 2 3 1 2 3 1 2", 14, "lookup"),
+    "lookup-qwen35": ("qwen35", "a a a a a a a a", 8, "lookup"),
 }
+
+
+def new_drafter(draft):  # a drafter for one generate_draft() call: the MTP head's, or lookup's 3
+    return li.MTPDrafter() if draft == "mtp" else li.PromptLookup(3)
 
 
 def load(checkpoint, qwen35, model):
@@ -112,7 +116,7 @@ def test_a_generator_stopped_after_any_id_leaves_the_prompt_and_its_ids(checkpoi
     the ids after them equal); no cache entry holds more than its two arrays. A drafting run (the
     one stopped at N) must have had a draft accepted, so that a stop at an accepted draft's id is
     among them."""
-    model, text, n, options = CASES[case]
+    model, text, n, draft = CASES[case]
     load(checkpoint, qwen35, model)
     prompt = li.tokenize(text)
     full = list(li.generate(prompt, max_tokens=n + 6))
@@ -120,13 +124,13 @@ def test_a_generator_stopped_after_any_id_leaves_the_prompt_and_its_ids(checkpoi
     problems = []
     for k in range(1, n + 1):
         way, cache, counts = WAYS[k % len(WAYS)], [None] * li.N_LAYERS, {}
-        gen = li.generate_draft(prompt, max_tokens=n + 6, cache=cache, counts=counts, **options) \
-            if options else li.generate(prompt, max_tokens=n + 6, cache=cache)
+        gen = li.generate_draft(prompt, max_tokens=n + 6, drafter=new_drafter(draft), cache=cache,
+                                counts=counts) if draft else li.generate(prompt, n + 6, cache=cache)
         ids = stop_after(gen, k, way)
         assert ids == full[:k], (k, way)
         problems += [f"k={k} ({way}): {p}" for p in check_continuation(prompt, full, k, cache)]
         del gen
-    if options:
+    if draft:
         assert counts["accepted"] > 0, counts  # an accepted draft among the first N ids
     assert not problems, "\n".join(problems)
 
@@ -137,11 +141,12 @@ def test_a_long_prefill_after_a_stop_keeps_two_arrays_a_layer(qwen35, draft):
     id, then a 200-token prefill continued on that cache: every entry holds its two arrays, no
     more (a notes list left attached would be given a state for every one of the 200 tokens), and
     the logits equal a fresh prefill's of the whole (TOL, as above)."""
-    model, text, _, options = CASES[f"{draft}-qwen35"]
+    model, text, _, _ = CASES[f"{draft}-qwen35"]
     load(None, qwen35, model)
     prompt = li.tokenize(text)
     cache, counts, ids = [None] * li.N_LAYERS, {}, []
-    gen = li.generate_draft(prompt, max_tokens=20, cache=cache, counts=counts, **options)
+    gen = li.generate_draft(prompt, max_tokens=20, drafter=new_drafter(draft), cache=cache,
+                            counts=counts)
     for token in gen:
         ids.append(token)
         if counts["accepted"]:  # this id is the first accepted draft (yielded after the count)
