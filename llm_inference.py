@@ -1466,6 +1466,7 @@ HERE, REPO = Path(__file__).resolve().parent, "Qwen/Qwen3-0.6B"
 
 FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "model.safetensors"]
+FETCHED = ["*.json", "*.jinja", "*.safetensors"]  # what a repo id gives the Hugging Face cache
 
 def load_checked(model_dir, dtype=None, group=None):
     """load() with every file, config entry and tensor checked first (UserError) -> the config.
@@ -1743,17 +1744,28 @@ def complete(folder):  # does it hold what load_checked() reads? (generation_con
 def download(repo, local_dir):
     """Fetch what local_dir (None: the Hugging Face cache) lacks of repo's configs, template and
     weights (the default folder: FILES), each file announced first; then the Hub's checksums.
-    Meanwhile Ctrl-C lets huggingface_hub tidy up, and its retries show; after, on every way
-    out, the caller's settings again."""
-    from huggingface_hub import logging
+    Meanwhile Ctrl-C lets huggingface_hub tidy up, its retries show, and hf_xet's are bounded;
+    after, on every way out, the caller's settings again."""
+    from huggingface_hub import constants, logging
     verbosity = logging.get_verbosity()
     logging.set_verbosity_warning()  # its retries show, a line each
+    # The Hub serves large files from Xet storage, through hf_xet, which reads these when its
+    # session is made (a process's first Xet download). Unless set, a stalled read ends after
+    # huggingface_hub's own timeout (10 s), not hf_xet's 300, and a range is tried again for at
+    # most a minute (its retries, by their growing delays, can take 6): a persistent fault ends
+    # in one to three minutes, not 3 to 30. (Each is read with its unit: "60" alone is ignored.)
+    bounds = {"HF_XET_CLIENT_READ_TIMEOUT": f"{constants.HF_HUB_DOWNLOAD_TIMEOUT}s",
+              "HF_XET_CLIENT_RETRY_MAX_DURATION": "60s"}
+    unset = [name for name in bounds if name not in os.environ]
+    os.environ.update({name: bounds[name] for name in unset})
     try:
         with interruptible(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", module="huggingface_hub")  # "not enough free disk"
             return fetch_missing(repo, local_dir)
     finally:
         logging.set_verbosity(verbosity)
+        for name in unset:
+            os.environ.pop(name, None)
 
 def fetch_missing(repo, local_dir):  # download()'s work -> the folder
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
@@ -1761,6 +1773,9 @@ def fetch_missing(repo, local_dir):  # download()'s work -> the folder
     print(f"{repo}: asking {constants.ENDPOINT} which files to fetch into {into}",
           file=sys.stderr, flush=True)
     try:
+        # The plan, from one listing of the repo. (huggingface_hub's own, snapshot_download(...,
+        # dry_run=True), asks the Hub for each file before any comes, names none in its errors,
+        # and, the network down, shows no retry: measured on huggingface_hub 2.4.0.)
         files = {f.path: f.size for f in api.list_repo_tree(repo) if hasattr(f, "size")}
         if not any(name.endswith(".safetensors") for name in files):
             raise UserError(f"{repo} has no model.safetensors: this script runs safetensors "
@@ -1777,9 +1792,12 @@ def fetch_missing(repo, local_dir):  # download()'s work -> the folder
         checked = api.verify_repo_checksums(repo, local_dir=local_dir) if fetched else None
         for bad in checked.mismatches if checked else []:
             damaged = fetched.get(bad["path"])
-            if damaged:  # removed: in the cache, the blob the link names, and the link
-                os.remove(os.path.realpath(damaged))
-                damaged.unlink(missing_ok=True)
+            links = [damaged] if damaged else []  # in the cache: a link to a blob (on Xet
+            while links and links[-1].is_symlink():  # storage, to a link to a shared file)
+                links.append(links[-1].parent / os.readlink(links[-1]))
+            for path in reversed(links):  # removed: the file, and each link that led to it
+                path.unlink()
+            if damaged:
                 raise UserError(f"{damaged} is not the file the Hub announced ({bad['algorithm']} "
                                 f"{bad['actual'][:12]}..., not {bad['expected'][:12]}...): damaged "
                                 "on the way, removed; run again to fetch it")
@@ -1799,24 +1817,67 @@ def fetch_missing(repo, local_dir):  # download()'s work -> the folder
 
 def hand_command(repo, local_dir):  # the shell command that fetches what download() would
     if local_dir is None:  # into the Hugging Face cache
-        return f'hf download {repo} --include "*.json" --include "*.jinja" --include ' \
-            '"*.safetensors"'
+        return f"hf download {repo} " + " ".join(f'--include "{pattern}"' for pattern in FETCHED)
     return f"hf download {repo} {' '.join(FILES)} --local-dir {shlex.quote(str(local_dir))}"
 
 def fetch(repo, name, local_dir, tries=5):
-    """hf_hub_download(), tried again when the connection is reset mid-file (huggingface_hub
-    resumes a connection closed early, not a reset one), a line each time; each try starts from
-    the file's start: huggingface_hub deletes what a failed try fetched."""
+    """hf_hub_download(), watched, tried again when the connection is reset mid-file on the plain
+    path (huggingface_hub resumes a connection closed early, not a reset one; hf_xet tries Xet
+    storage again by itself), a line each time; each try starts from the file's start:
+    huggingface_hub deletes what a failed try fetched."""
     from huggingface_hub import hf_hub_download
-    for n in range(2, tries + 1):
+    for n in range(1, tries + 1):
         try:
-            return hf_hub_download(repo, name, local_dir=local_dir)
+            with watched(name) as bar:
+                return hf_hub_download(repo, name, local_dir=local_dir, tqdm_class=bar)
         except Exception as e:  # a reset: tried again; anything else, download()'s to report
-            if not was_reset(e):
+            if n == tries or not was_reset(e):
                 raise
-        print(f"{name}: the connection broke; trying again from its start ({n} of {tries})",
+        print(f"{name}: the connection broke; trying again from its start ({n + 1} of {tries})",
               file=sys.stderr, flush=True)
-    return hf_hub_download(repo, name, local_dir=local_dir)
+
+QUIET = 20  # seconds a file may bring nothing before a line says so (watched())
+
+@contextmanager
+def watched(name, quiet=QUIET):
+    """Inside: the bar class for hf_hub_download(): huggingface_hub's (at a terminal only), one a
+    file; and, on a thread of its own, a watch that says when nothing of the file has come for
+    quiet seconds, and again every quiet more (hf_xet tries Xet storage again by itself, saying
+    nothing, for up to a minute or so). After, on every way out: the watch ended. On Xet storage
+    the bar counts the bytes written: the bar of those received, which huggingface_hub would draw
+    whole when the download ends, arrived or not, is not drawn."""
+    from huggingface_hub.utils import tqdm as hub_tqdm
+    heard, done = [time.monotonic()], threading.Event()  # heard: when anything last came
+
+    class Bar(hub_tqdm):
+        def update(self, n=1):  # bytes written (Xet), or received (plain)
+            heard[0] = time.monotonic()
+            return super().update(n)
+
+        def update_transfer(self, n=1):  # Xet: bytes received, drawn on no bar of their own
+            heard[0] = time.monotonic()
+
+        def set_transfer_postfix_str(self, postfix, refresh=False):  # (their speed: not shown)
+            pass
+
+    def watch():
+        since, said = heard[0], 0  # said: the lines about this silence
+        while not done.wait(1):
+            silent = time.monotonic() - heard[0]
+            if heard[0] != since:
+                since, said = heard[0], 0
+            elif silent >= (said + 1) * quiet:
+                said = int(silent // quiet)
+                hub_tqdm.write(f"{name}: nothing has come for {said * quiet} s; still trying "
+                               "(Ctrl-C stops)", file=sys.stderr)
+
+    watcher = threading.Thread(target=watch, name=f"watching {name}", daemon=True)
+    watcher.start()
+    try:
+        yield Bar
+    finally:
+        done.set()
+        watcher.join()
 
 def was_reset(error):
     """Whether the connection was reset (TCP RST) under the error: it, or what it was raised from
@@ -1832,6 +1893,10 @@ def download_trouble(error, into):
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
     while error is not None:
         e, error = error, error.__cause__ or error.__context__
+        if isinstance(e, RuntimeError) and str(e).startswith("Task error: "):  # hf_xet's
+            return xet_trouble(str(e), into)
+        if type(e).__module__ == "hf_xet":  # its typed errors (refused, not found): its words
+            return f"Xet storage: {e}"
         if isinstance(e, HfHubHTTPError) and e.response is not None:
             return f"the Hub answered {e.response.status_code} {e.response.reason_phrase}"
         if isinstance(e, OfflineModeIsEnabled):
@@ -1848,6 +1913,24 @@ def download_trouble(error, into):
                                                   errno.ENOTDIR, errno.EEXIST):
             return f"{e.filename} cannot be written: {e.strerror.lower()}"
     return None
+
+def xet_trouble(text, into):
+    """hf_xet's failure on Xet storage, in a few words. It raises a RuntimeError, caused by
+    nothing: all it tells is its text, after its own retries of the range."""
+    status = re.search(r"HTTP status [\w ]+\((\d+ [^)]*)\)", text)
+    host = re.search(r"https?://[^/\s)]+", text)
+    storage = f"Xet storage at {host[0]}" if host else "Xet storage"
+    if "os error 28" in text:
+        return f"the disk is full where it goes ({into})"
+    if status:
+        return f"{storage} answered {status[1]}"
+    if "error decoding response body" in text:  # a reset, a close or a stall: the same words
+        return f"the connection to {storage} broke or stalled before the file was whole"
+    if "error sending request" in text:
+        return f"{storage} could not be reached"
+    if "Malformed data" in text:
+        return f"{storage} sent damaged data ({text.split('Malformed data: ')[-1]})"
+    return f"hf_xet, Xet storage's client: {text}"
 
 # ─── Several processes ───
 

@@ -64,10 +64,10 @@ def test_a_folder_that_does_not_exist(tmp_path, spelling):
                  "Hugging Face repo id such as Qwen/Qwen3-0.6B)")
 
 
-def sharded_repo(checkpoint, tmp_path):
-    """A stand-in Hub serving a two-shard Qwen/Qwen3-1.7B, and the command that runs a fresh
-    clone of the script on it -> (hub, command)."""
-    hub = StandInHub()
+def sharded_repo(checkpoint, tmp_path, xet=False):
+    """A stand-in Hub serving a two-shard Qwen/Qwen3-1.7B (on Xet storage, or plain), and the
+    command that runs a fresh clone of the script on it -> (hub, command)."""
+    hub = StandInHub(xet=xet)
     clone = tmp_path / "clone"
     clone.mkdir()
     shutil.copy(ROOT / "llm_inference.py", clone)
@@ -76,10 +76,12 @@ def sharded_repo(checkpoint, tmp_path):
                  "Qwen/Qwen3-1.7B"]
 
 
-def test_a_damaged_file_leaves_nothing_in_the_cache(checkpoint, tmp_path):
+@pytest.mark.parametrize("xet", [False, True], ids=["plain", "xet"])
+def test_a_damaged_file_leaves_nothing_in_the_cache(checkpoint, tmp_path, xet):
     """A repo id's shard served damaged: removed from the Hugging Face cache, its blob too (not
-    only the link), so that nothing of it is read later; the next run fetches it again."""
-    hub, cmd = sharded_repo(checkpoint, tmp_path)
+    only the link; on Xet storage, huggingface_hub's shared store of its files, where the blob's
+    link leads), so that nothing of it is read later; the next run fetches it again."""
+    hub, cmd = sharded_repo(checkpoint, tmp_path, xet)
     try:
         hub.corrupt.add(SHARDED[-1])
         r = subprocess.run(cmd, env=environment(hub, tmp_path / "hf"), capture_output=True, text=True)
