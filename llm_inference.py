@@ -26,14 +26,17 @@ MAX_POS = 40960  # max_position_embeddings: the longest context
 EOS_IDS = {151645, 151643}  # <|im_end|>, <|endoftext|>: the article stops on one; any stops here
 MODEL = "qwen3"  # model_type: "qwen3", or "qwen3_5" (Qwen3.5: Part II)
 QWEN35 = {}      # Qwen3.5's own config entries (Part II); {} for Qwen3
+MOE = {}         # a mixture of experts' config entries (Part II); {} for a dense model
+YARN = {}        # rope_scaling's, for YaRN's long context (Part II); {} for the plain RoPE
 GROUP = None     # several processes (Part II): mx.distributed's group, each holds 1/N of a block
 GROW = 256       # the KV cache's buffers hold a multiple of this many positions (Step 5)
 CHUNK = 512      # a long prompt goes through the model this many tokens at a time (Step 9)
 
 def use(cfg, weights, tokenizer):  # config.json's entries (and "eos_ids") -> the constants
     global W, TOK, D, N_LAYERS, N_HEADS, N_KV, D_HEAD, EPS, THETA, MAX_POS, EOS_IDS, MODEL, QWEN35
-    global GROUP
+    global MOE, YARN, GROUP
     W, TOK, EOS_IDS, QWEN35 = weights, tokenizer, cfg["eos_ids"], cfg.get("qwen35", {})
+    MOE, YARN = cfg.get("moe", {}), cfg.get("yarn", {})
     MODEL, GROUP = cfg["model_type"], cfg.get("group")  # (one process: no group)
     D, N_LAYERS, D_HEAD = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
     N_HEADS, N_KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -48,9 +51,12 @@ def load(model_dir, dtype=None):
     it, not the weights' own. load_checked() (Part IV) checks every file and entry first."""
     folder = Path(model_dir)
     cfg = json.loads((folder / "config.json").read_text())
-    if cfg["model_type"] != "qwen3" or "quantization" in cfg:  # Qwen3.5, quantised: Part IV
-        return load_checked(folder, dtype)
-    cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))  # or nested
+    nested = cfg.get("rope_parameters", {})  # transformers 5 writes rope_theta (and scaling) here
+    scaled = cfg.get("rope_scaling") or nested.get("rope_type", nested.get("type")) not in (
+        None, "default")
+    if cfg["model_type"] != "qwen3" or "quantization" in cfg or scaled:  # Qwen3.5, experts,
+        return load_checked(folder, dtype)  # quantised weights, YaRN: Part IV
+    cfg.setdefault("rope_theta", nested.get("rope_theta"))
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     gen = folder / "generation_config.json"  # Qwen3's EOS ids, where there is one
     released = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]  # Qwen3's two
@@ -66,11 +72,12 @@ def load(model_dir, dtype=None):
     mx.eval(weights)  # read from disk now, so that generation times only generation
     return use(cfg, weights, tok)
 
-def linear(x, name):
+def linear(x, name, summed=True):
     """x @ W[name + ".weight"].T, the article's product (quantised: Part II). Several processes
-    (Part II): where each holds some of its input columns, each has a part; all_sum adds them."""
+    (Part II): where each holds some of its input columns, each has a part; all_sum adds them
+    (summed=False: not yet, a mixture of experts adds its parts once)."""
     y = quantized_linear(x, name) if name + ".scales" in W else x @ W[name + ".weight"].T
-    if GROUP is not None and SPLIT.get(name.split(".")[-1]) == 1:  # o_proj, down_proj, out_proj
+    if GROUP is not None and summed and SPLIT.get(name.split(".")[-1]) == -1:  # o_proj, down...
         y = mx.distributed.all_sum(y, group=GROUP)
     return y
 
@@ -104,9 +111,11 @@ def rope_tables(positions, dtype, dims=None):
     position * f_i. Once a pass (the article: per layer), in the model's dtype (float32 spreads)."""
     half = (dims or D_HEAD) // 2                                      # 64
     freqs = 1.0 / THETA ** (mx.arange(half, dtype=mx.float32) / half)  # (64,) f_i
+    freqs, scale = yarn(freqs) if YARN else (freqs, 1.0)  # long context: some f_i slower, Part II
     angles = positions.astype(mx.float32)[:, None, None, None] * freqs  # (L, 1, 1, 64) float32
-    cos = mx.broadcast_to(mx.cos(angles), (*angles.shape[:2], 2, half))  # (L, 1, 2, 64) cos, cos
-    signed_sin = mx.sin(angles) * mx.array([[-1.0], [1.0]])           # (L, 1, 2, 64) -sin, sin
+    cos = mx.cos(angles) if scale == 1 else scale * mx.cos(angles)    # (L, 1, 1, 64)
+    cos = mx.broadcast_to(cos, (*angles.shape[:2], 2, half))          # (L, 1, 2, 64) cos, cos
+    signed_sin = mx.sin(angles) * mx.array([[-scale], [scale]])       # (L, 1, 2, 64) -sin, sin
     return cos.astype(dtype), signed_sin.astype(dtype)
 
 @mx.compile
@@ -186,6 +195,8 @@ def swiglu(gate, up):  # (L, 3072) each -> silu(gate) * up, where silu(g) = g * 
 def ffn(x, layer_idx):
     """x: (L, D) -> (L, D): down( silu(gate(x)) * up(x) )."""
     p = f"model.layers.{layer_idx}.mlp."
+    if p + "gate.weight" in W:  # a router: this block's MLP is a mixture of experts (Part II)
+        return moe(x, layer_idx)
     gate = linear(x, p + "gate_proj")                                 # (L, 3072)
     up = linear(x, p + "up_proj")                                     # (L, 3072)
     return linear(swiglu(gate, up), p + "down_proj")                  # (L, 1024)
@@ -293,7 +304,7 @@ def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, lo
         yield token.item()
         token, finite = upcoming
 
-# ═══ Part II — what the article leaves out, the model side: quantised weights to several machines ═══
+# ═══ Part II — what the article leaves out, the model side: from quantised weights to experts ═══
 # ═══ Quantised weights — numbers in 2 to 8 bits, a scale and a bias for each group of them ═══
 def dequantize(packed, scales, biases, bits):
     """MLX's affine quantisation undone: a row of packed (uint32) is a little-endian stream of
@@ -725,13 +736,14 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
 # and the columns of o that read them; of the MLP, rows of gate and up, and the columns of down
 # that read them. So each block's attention and MLP leave a part of their output on every rank,
 # and Part I's linear() adds the N parts after o_proj and down_proj (the columns split, SPLIT's
-# 1): one all_sum each, 2 a block, every rank the whole sum.
+# -1): one all_sum each, 2 a block, every rank the whole sum.
 # The embedding, the norms and the LM head stay whole on every rank; its KV cache holds its own
 # heads. Qwen3.5's DeltaNet splits the same way, by its key and value heads.
-SPLIT = {  # a weight's module (or a tensor's name) -> the axis cut in N: 0, rows; 1, columns
-    "q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 0, "up_proj": 0,
-    "down_proj": 1, "in_proj_qkv": 0, "conv1d": 0, "in_proj_z": 0, "in_proj_b": 0,
-    "in_proj_a": 0, "dt_bias": 0, "A_log": 0, "out_proj": 1}
+SPLIT = {  # a weight's module (or a tensor's name) -> the axis cut in N: -2, rows; -1, columns
+    "q_proj": -2, "k_proj": -2, "v_proj": -2, "o_proj": -1, "gate_proj": -2, "up_proj": -2,
+    "down_proj": -1, "in_proj_qkv": -2, "conv1d": -2, "in_proj_z": -2, "in_proj_b": -2,
+    "in_proj_a": -2, "dt_bias": -1, "A_log": -1, "out_proj": -1,  # (a vector: its one axis)
+    "gate_up_proj": -2}  # (a MoE's experts, stacked: (E, rows, columns), each expert cut)
 
 def shard(name, w, group, qwen35):
     """A tensor of the whole model -> this rank's part of it (the whole if it is not split),
@@ -742,18 +754,114 @@ def shard(name, w, group, qwen35):
     if axis is None:
         return w
     n, r = group.size(), group.rank()
-    if module in ("in_proj_qkv", "conv1d"):  # q, k and v one after another: each cut by heads
+    segments = [w]  # rows of parts one after another are cut part by part
+    if module in ("in_proj_qkv", "conv1d"):  # q, k and v: each cut by heads
         keys = qwen35["linear_num_key_heads"] * qwen35["linear_key_head_dim"]  # 2048
-        part = mx.concatenate([mx.split(s, n)[r] for s in mx.split(w, [keys, 2 * keys])])
-    else:
-        part = mx.split(w, n, axis=axis)[r]                           # 1/N of the rows or columns
+        segments = mx.split(w, [keys, 2 * keys], axis=axis)
+    elif "gate_up_proj" in (module, leaf):  # each expert's gate, then its up
+        segments = mx.split(w, 2, axis=axis)
+    part = mx.concatenate([mx.split(s, n, axis=axis)[r] for s in segments], axis=axis)  # 1/N
     part = mx.contiguous(part)
     mx.eval(part)
     return part
 
+# ═══ Mixture of experts — a router sends each token to k of E feed-forward networks ═══
+# Qwen3-30B-A3B's MLP, in each of its 48 blocks, is 128 experts, each a Step 6 SwiGLU 768 wide.
+# A router, one more linear layer, scores them for each token; the token goes through its 8
+# likeliest, and their outputs are added, weighted by the router. So a token reads 3B of the
+# 30B parameters: decoding moves a tenth of the bytes a dense model of its size would (and so it
+# is fast on a Mac), but from 8 scattered places a block. Qwen3.5's add a shared expert, which
+# every token goes through, its output gated. The experts are held stacked, (E, rows, columns),
+# and MLX's gather products run each token's k of them in one call a projection.
+ROUTED = None  # a list to give each MoE block's choices to (--explain's view); None: none kept
+
+def moe(x, layer_idx):
+    """x: (L, D) -> (L, D). The router's probabilities over the E experts (a softmax, in float32),
+    each token's k likeliest (renormalised to sum to 1 when norm_topk_prob), those experts'
+    SwiGLU of the token, weighted and added; Qwen3.5's shared expert added through its sigmoid
+    gate. Written as a loop, the same numbers: for each token t and each of its k experts e,
+    y[t] += weight[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t]))."""
+    p, k = f"model.layers.{layer_idx}.mlp.", MOE["num_experts_per_tok"]
+    probs = mx.softmax(linear(x, p + "gate").astype(mx.float32), axis=-1)  # (L, 128) router
+    chosen = mx.argpartition(-probs, k - 1, axis=-1)[:, :k]           # (L, 8) its 8 likeliest
+    weights = mx.take_along_axis(probs, chosen, axis=-1)              # (L, 8)
+    if MOE["norm_topk_prob"]:
+        weights = weights / weights.sum(axis=-1, keepdims=True)       # (L, 8) summing to 1
+    if ROUTED is not None:
+        ROUTED.append((layer_idx, chosen, weights))
+    out = experts(x, chosen, p + "experts.")                          # (L, 8, 2048)
+    y = (out * weights[..., None].astype(out.dtype)).sum(axis=-2)     # (L, 2048)
+    if p + "shared_expert_gate.weight" in W:  # Qwen3.5's: every token's, gated
+        s = p + "shared_expert."
+        h = swiglu(linear(x, s + "gate_proj"), linear(x, s + "up_proj"))  # (L, 512)
+        gate = mx.sigmoid(linear(x, p + "shared_expert_gate"))         # (L, 1)
+        y = y + gate * linear(h, s + "down_proj", summed=False)
+    if GROUP is not None:  # several processes: each holds part of every expert, added once
+        y = mx.distributed.all_sum(y, group=GROUP)
+    return y
+
+def experts(x, chosen, p):
+    """x (L, D), chosen (L, k) -> each chosen expert's SwiGLU of its token (L, k, D): two gather
+    products over the stacked experts, p + "gate_up_proj" (E, 2I, D), gate's rows first, and
+    p + "down_proj" (E, D, I). Many tokens (a prompt) are sorted by expert first, as mlx-lm does,
+    so that each expert's rows are read once for all its tokens; then put back in order."""
+    L, k = chosen.shape
+    if chosen.size < 64:  # a few tokens (decoding): each row of x its k experts
+        rows, picks, order = x[:, None, None, :], chosen, None        # (L, 1, 1, D), (L, k)
+    else:
+        order = mx.argsort(chosen.reshape(-1))                        # (L k,) by expert
+        rows, picks = x[order // k][:, None, :], chosen.reshape(-1)[order]  # (L k, 1, D)
+    gate, up = mx.split(gathered(rows, p + "gate_up_proj", picks, order), 2, axis=-1)
+    out = gathered(swiglu(gate, up), p + "down_proj", picks, order)   # (..., 1, D)
+    if order is None:
+        return out[..., 0, :]                                         # (L, k, D)
+    return out[mx.argsort(order)].reshape(L, k, -1)                   # (L, k, D) in token order
+
+def gathered(x, name, picks, order):
+    """x (..., 1, in) @ W[name][e].T for each row's expert e in picks: mx.gather_mm (quantised:
+    mx.gather_qmm, with quantized_linear()'s layout); order: the rows come sorted by expert."""
+    w, in_order = W[name], order is not None
+    if name + ".scales" in W:
+        scales = W[name + ".scales"]
+        bits, group_size = w.shape[-1] * 32 // x.shape[-1], x.shape[-1] // scales.shape[-1]
+        return mx.gather_qmm(x, w, scales, W[name + ".biases"], rhs_indices=picks,
+                             group_size=group_size, bits=bits, sorted_indices=in_order)
+    if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+        # MLX's CPU gathers in float32 only (0.32): the experts are cast for the product, a copy
+        # of the layer's each time (slow; --dtype float32 keeps them so).
+        y = mx.gather_mm(x.astype(mx.float32), w.swapaxes(-1, -2).astype(mx.float32),
+                         rhs_indices=picks, sorted_indices=in_order)
+        return y.astype(x.dtype)
+    return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=picks, sorted_indices=in_order)
+
+# ═══ Long context — YaRN: RoPE's slow clock hands slowed further, to reach past training ═══
+# A model trained on 32,768 positions has pairs of dimensions whose hands never went round within
+# them; past that, their angles are new to it. YaRN (Peng et al. 2023) divides those pairs'
+# frequencies by factor, so that 4 x 32,768 positions turn them no further than training did,
+# keeps the fast pairs (they went round many times), blends those between on a ramp, and scales
+# cos and sin (so q k) by 0.1 ln(factor) + 1, the softmax's sharpness back. It is static: short
+# texts are turned so too, which Qwen says costs them a little: use it only for long ones.
+def yarn(freqs):
+    """RoPE's frequencies f_i (half,) -> YaRN's, and the scale of cos and sin, as transformers
+    computes them from rope_scaling's factor, original_max_position_embeddings, beta_fast (32),
+    beta_slow (1), truncate (true) and attention_factor: pair i kept if it turns more than
+    beta_fast times over the original context, divided by factor if fewer than beta_slow."""
+    half, factor, original = len(freqs), YARN["factor"], YARN["original_max_position_embeddings"]
+
+    def pair(turns):  # where, between 0 and half, a pair turns that many times over the original
+        return half * math.log(original / (turns * 2 * math.pi)) / math.log(THETA)
+    low, high = pair(YARN.get("beta_fast", 32)), pair(YARN.get("beta_slow", 1))
+    if YARN.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, 2 * half - 1)
+    ramp = mx.clip((mx.arange(half, dtype=mx.float32) - low) / (high - low or 0.001), 0, 1)
+    scale = YARN.get("attention_factor") or (0.1 * math.log(factor) + 1 if factor > 1 else 1.0)
+    return freqs / factor * ramp + freqs * (1 - ramp), scale          # (64,), a number
+
 # ═══ Part III — See inside: the views that teach, for --explain and for a notebook ═══
 # Each takes plain values (ids, a cache, numbers), never the command line's flags.
 import os, shutil, sys, time, timeit, unicodedata  # noqa: E401, E402
+from collections import Counter  # noqa: E402
 from functools import lru_cache  # noqa: E402
 
 # ─── The tokens, and the next token ───
@@ -817,7 +925,7 @@ def attention_looks(prompt_ids, blocks, cache, start=0):
 
 # ─── The answer forming ───
 
-def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
+def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False, routes=None):
     """The logit lens (nostalgebraist, 2020) over an answer. token_ids (the prompt, then the answer
     but its last id) at positions start.. run once more, on a cache of their own that goes on from
     cache as it was at start (cache itself is never written); at each of the last len(written)
@@ -825,7 +933,9 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
     model ended after that block -> top, p, p_top (blocks, len(written)): each block's likeliest
     next token, the probability it gives the token written there, and its top one's. Memory: the
     positions' ids and cache, and one block's logits for a chunk of them at a time. progress: a
-    line on stderr at a terminal, taken away on every way out."""
+    line on stderr at a terminal, taken away on every way out. routes: a list, given what each
+    mixture of experts chose at every position (moe()'s (block, chosen, weights), a chunk's)."""
+    global ROUTED
     first = len(token_ids) - len(written)                             # the first column's place
     if first < 0:
         raise ValueError(f"{len(written)} ids written after {len(token_ids)} positions")
@@ -835,6 +945,7 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
            for i, c in enumerate(cache)]
     kept = [[(mx.zeros(0, mx.uint32), mx.zeros(0), mx.zeros(0))] for _ in range(N_LAYERS)]
     progress, line = progress and sys.stderr.isatty(), ""  # line: the progress line shown
+    outer, ROUTED = ROUTED, routes  # (moe() records into routes, until the pass ends)
     try:
         for i in range(0, len(token_ids), chunk):
             ids, blocks = token_ids[i:i + chunk], []
@@ -846,8 +957,8 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
                     # Its own final norm: lm_head() normalises this block's x by its own size.
                     logits = lm_head(x[at:]).astype(mx.float32)       # (C, vocab)
                     lse = mx.logsumexp(logits, axis=-1)               # (C,) softmax's divisor
-                    chosen = mx.take_along_axis(logits, wrote[:, None], axis=-1)[:, 0]  # (C,)
-                    block_kept.append((mx.argmax(logits, axis=-1), mx.exp(chosen - lse),
+                    taken = mx.take_along_axis(logits, wrote[:, None], axis=-1)[:, 0]  # (C,)
+                    block_kept.append((mx.argmax(logits, axis=-1), mx.exp(taken - lse),
                                        mx.exp(logits.max(axis=-1) - lse)))  # (C,) each
                     mx.eval(block_kept[-1])                           # all that is kept of them
                     if not mx.isfinite(block_kept[-1][1]).all().item():
@@ -856,8 +967,9 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False):
                         line = (f"[the logit lens: positions {i + len(ids)} of "
                                 f"{len(token_ids)}, block {b} of {N_LAYERS}]")
                         print(f"\r{line}", end="", file=sys.stderr, flush=True)
-            mx.eval(own)
+            mx.eval(own, routes or [])
     finally:  # the line blanked (spaces: a dumb terminal has no codes to clear it)
+        ROUTED = outer
         print(f"\r{' ' * len(line)}\r" if line else "", end="", file=sys.stderr, flush=True)
     return [mx.stack([mx.concatenate([c[k] for c in block_kept]) for block_kept in kept])
             for k in range(3)]
@@ -946,9 +1058,10 @@ def answer_forming(prompt_ids, generated, cache, start, columns=64, greedy=True,
           f"{N_LAYERS * n * D * len(W['lm_head.weight']):.1e} multiply-adds more)", flush=True)
     if skipped:
         print(f"[the answer's last {n} tokens of {len(generated)}; --lens-tokens 0: all of them]")
+    routes = [] if MOE else None  # a mixture of experts: their choices, from the same pass
     try:
         top, p, p_top = (a.tolist() for a in logit_lens(
-            token_ids, generated[skipped:], cache, start, chunk, progress=True))
+            token_ids, generated[skipped:], cache, start, chunk, True, routes))
     except KeyboardInterrupt:
         print("[the answer forming: stopped]", flush=True)
         raise
@@ -964,6 +1077,35 @@ def answer_forming(prompt_ids, generated, cache, start, columns=64, greedy=True,
             print(f"[note: token {skipped + j + 1}: the top row's {p_top[-1][j]:.4f} against "
                   f"{p[-1][j]:.4f} for the token written, a near-tie this pass, summing in "
                   f"another order in {dtype}, broke the other way]")
+    if routes:
+        last = len(prompt_ids) - 1  # the prompt's last token: it chose the first token written
+        print("\n".join(experts_at_work(routes, last, range(last, len(token_ids)))))
+
+# ─── The experts at work ───
+
+def experts_at_work(routes, last, answer):
+    """A mixture of experts: in each MoE block, the experts the token at row last chose, by
+    weight; then over the rows of answer (a range), how many of the E experts each block used,
+    and its busiest three with their share of the choices. routes: logit_lens()'s, (block,
+    chosen (C, k), weights (C, k)) chunk after chunk -> lines, none over 80 columns."""
+    per_block = {}
+    for b, chosen, weights in routes:
+        per_block.setdefault(b, []).append((chosen, weights))
+    k, e = MOE["num_experts_per_tok"], MOE["num_experts"]
+    lines = [f"the experts at work: in each block, the {k} of {e} experts the prompt's last",
+             "token chose (#expert:weight); then over the answer, how many experts each block",
+             f"used, and its busiest three with their share of the {k} x {len(answer)} choices"]
+    used = []
+    for b, parts in per_block.items():
+        chosen = mx.concatenate([c for c, _ in parts]).tolist()       # a row of k each position
+        weights = mx.concatenate([w for _, w in parts]).tolist()
+        picks = sorted(zip(weights[last], chosen[last]), reverse=True)
+        lines.append(f"{f'block {b + 1}':<8}" + "".join(f" #{x}:{100 * w:.0f}%" for w, x in picks))
+        counts = Counter(x for row in chosen[answer.start:answer.stop] for x in row)
+        busiest = "".join(f"  #{x} {100 * n / (k * len(answer)):.0f}%"
+                          for x, n in counts.most_common(3))
+        used.append(f"{f'block {b + 1}':<8} {len(counts):>4} of {e} used; busiest{busiest}")
+    return lines + used
 
 # ─── What memory moves ───
 
@@ -1163,6 +1305,12 @@ def summary(folder, cfg):
         mtp = "an MTP head to draft with" if "mtp.fc.weight" in W else "no MTP head"
         name = f"Qwen3.5 from {folder} (text only: its vision tower is not run; {mtp})"
         layers += f", {QWEN35['layer_types'].count('linear_attention')} of them Gated DeltaNet"
+    if MOE:  # (Qwen3-MoE from, Qwen3.5-MoE from)
+        name = name.replace(" from ", "-MoE from ", 1)
+        layers += (f", {len(MOE['layers'])} with {MOE['num_experts']} experts "
+                   f"({MOE['num_experts_per_tok']} a token)")
+    if YARN:
+        size += f", RoPE by YaRN x{YARN['factor']} to {MAX_POS} positions"
     return (f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
             f"{size}, {str(W['model.norm.weight'].dtype).split('.')[-1]}")  # bfloat16, say
 
@@ -1290,17 +1438,22 @@ def print_stats(n_prompt, n, tic, t_first, cache, held, passes=None, mtp=False):
               f"{100 * seconds * rate / per_pass:.1f}% of its time", flush=True)
     return read * rate
 
-def token_bytes(cache, held, mtp=False):
+def token_bytes(cache, held, mtp=False, rows=1):
     """What a pass of the model over one token reads -> (its weights' bytes, its cache's): each
     weight it uses once (the embedding's one row left out, a tied table counted once as the LM
-    head), the keys and values of held positions, a DeltaNet's notes whole. mtp: and the MTP
-    head's drafting, its own weights and the LM head again (not its small cache)."""
+    head; a mixture's experts, the k of E chosen), the keys and values of held positions, a
+    DeltaNet's notes whole. mtp: and the MTP head's drafting, its own weights and the LM head
+    again (not its small cache). rows: a batch's, each one's share of a read of the weights
+    (of the experts, each row's own k at most: rows may choose the same)."""
     mtp_names = ("mtp.", f"model.layers.{N_LAYERS}.")  # the MTP head's (its layer: both names)
     skipped = ("model.embed_tokens", *mtp_names)
     used = {id(w): w for name, w in W.items() if not name.startswith(skipped)}  # tied: once
     drafting = {id(w): w for name, w in W.items() if name.startswith(mtp_names)} if mtp else {}
     lm_head = [w for name, w in W.items() if name.startswith("lm_head.")] if mtp else []
-    weights = sum(w.nbytes for w in [*used.values(), *drafting.values(), *lm_head])
+    read = {id(w): min(1, rows * MOE["num_experts_per_tok"] / MOE["num_experts"])
+            for name, w in W.items() if ".mlp.experts." in name}     # (E, ...) of which k a row
+    weights = sum(w.nbytes * read.get(id(w), 1) for w in [*used.values(), *drafting.values(),
+                                                           *lm_head]) / rows
     return weights, cache_bytes(cache, held) + cache_bytes(cache, kind="linear_attention")
 
 def cache_bytes(cache, held=None, kind="full_attention"):
@@ -1349,9 +1502,10 @@ def reply_batch(texts, prompts, args):
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
     print(f"KV cache: {held} positions in {len(ended)} sequences, {kv / 1e6:.3f} MB (each as it "
           "ended; at most --batch-size of them held at once)")
-    print(f"Bytes per token, a row of {rows}: {token_bytes([], 0)[0] / rows / 1e6:.3f} MB of "
-          f"weights + {kv / len(ended) / 1e6:.3f} MB of keys and values (their mean at the end)",
-          flush=True)
+    weights = token_bytes([], 0, rows=rows)[0]  # (a mixture's: at most, rows may share experts)
+    print(f"Bytes per token, a row of {rows}: {'at most ' if MOE else ''}{weights / 1e6:.3f} MB "
+          f"of weights + {kv / len(ended) / 1e6:.3f} MB of keys and values (their mean at the "
+          "end)", flush=True)
 
 # ─── Chat ───
 
@@ -1506,13 +1660,14 @@ def shown_json(value, most=60):  # a config value in an error line, cut with "..
     return text if len(text) <= most else text[:most - 4] + " ..."
 
 KINDS = {  # each kind of config value -> what an error line says it must be
-    "model": '"qwen3" or "qwen3_5" (dense Qwen3 and Qwen3.5 models)',
+    "model": '"qwen3", "qwen3_moe", "qwen3_5" or "qwen3_5_moe" (Qwen3 and Qwen3.5)',
     "count": "a whole number of 1 or more", "even": "an even whole number (RoPE turns pairs)",
     "positive": "a number more than 0", "bool": "true or false",
     "ids": "a token id, a list of them or null", "mtp": "0 or 1 (an MTP head, or none)",
     "quantization": 'MLX\'s affine quantisation (not "mxfp4", "nvfp4" or "mxfp8")',
     "layers": 'a list of "linear_attention" and "full_attention", one per layer',
-    "share": "a fraction (0 to 1) of head_dim that is even: RoPE turns pairs"}
+    "share": "a fraction (0 to 1) of head_dim that is even: RoPE turns pairs",
+    "indices": "a list of layer numbers (from 0)", "k": "a whole number from 1 to num_experts"}
 
 CONFIG = {  # the config.json entries the model reads -> the kind of value each must hold
     "model_type": "model", "hidden_size": "count", "intermediate_size": "count",
@@ -1521,6 +1676,14 @@ CONFIG = {  # the config.json entries the model reads -> the kind of value each 
     "rms_norm_eps": "positive", "rope_theta": "positive", "tie_word_embeddings": "bool",
     "eos_token_id": "ids", "quantization": "quantization"}
 
+MOE_CONFIG = {  # a mixture of experts' entries -> their kind (Qwen3-MoE's; Qwen3.5-MoE's: below)
+    "num_experts": "count", "num_experts_per_tok": "k", "moe_intermediate_size": "count",
+    "norm_topk_prob": "bool", "decoder_sparse_step": "count", "mlp_only_layers": "indices"}
+MOE35_CONFIG = {"num_experts": "count", "num_experts_per_tok": "k",  # every layer's experts
+                "moe_intermediate_size": "count", "shared_expert_intermediate_size": "count"}
+YARN_CONFIG = {"factor": "positive", "original_max_position_embeddings": "count",  # and these,
+               "beta_fast": "positive", "beta_slow": "positive", "truncate": "bool",  # if given
+               "attention_factor": "positive"}
 QWEN35_CONFIG = {  # Qwen3.5's own config.json entries (in its text_config) -> their kind
     "layer_types": "layers", "linear_num_key_heads": "count", "linear_num_value_heads": "count",
     "linear_key_head_dim": "count", "linear_value_head_dim": "count",
@@ -1528,7 +1691,9 @@ QWEN35_CONFIG = {  # Qwen3.5's own config.json entries (in its text_config) -> t
     "mtp_num_hidden_layers": "mtp"}
 
 UNSUPPORTED = {  # config.json entries that change the math -> (the value computed here, else what)
-    "rope_scaling": (None, "a scaled RoPE (YaRN and its kin)"),
+    "n_group": (None, "grouped routing (experts chosen within groups)"),
+    "topk_group": (None, "grouped routing (experts chosen within groups)"),
+    "scoring_func": ("softmax", "a router scored other than by a softmax"),
     "attention_bias": (False, "biases in the attention projections"),
     "hidden_act": ("silu", "an activation other than SiLU"),
     "use_sliding_window": (False, "sliding-window attention"),
@@ -1542,8 +1707,13 @@ def fits(value, kind, cfg):
             and all(layer in ("linear_attention", "full_attention") for layer in value)
     if kind == "share":
         return number and int(cfg["head_dim"] * value) in range(2, cfg["head_dim"] + 1, 2)
+    if kind == "indices":
+        return isinstance(value, list) and all(i in range(cfg["num_hidden_layers"]) for i in value)
+    if kind == "k":
+        return type(value) is int and 1 <= value <= cfg.get("num_experts", 0)
     return {"count": whole, "even": whole and value % 2 == 0, "positive": number,
-            "model": value in ("qwen3", "qwen3_5"), "bool": type(value) is bool,
+            "model": value in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"),
+            "bool": type(value) is bool,
             "ids": value is None or all(type(i) is int and i >= 0 for i in as_list(value)),
             "quantization": value is None or isinstance(value, dict)
             and value.get("mode", "affine") == "affine",
@@ -1557,18 +1727,28 @@ def read_configs(folder):
     for file, data in [(path, cfg), (gen_path, gen)]:
         if not isinstance(data, dict):
             raise UserError(f"{file} must hold a JSON object {{...}}, not {shown_json(data, 40)}")
-    if cfg.get("model_type") == "qwen3_5" and isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg, **cfg["text_config"], "model_type": "qwen3_5"}  # the language model's part
+    model_type = cfg.get("model_type")  # (its family, qwen3 or qwen3_5, and whether experts)
+    model_type = model_type if isinstance(model_type, str) else None  # (else: said below)
+    if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg, **cfg["text_config"], "model_type": model_type}  # the language model's
     nested = cfg.get("rope_parameters")  # transformers 5 writes rope_theta (and scaling) here
     if isinstance(nested, dict):
         cfg = {"rope_theta": nested.get("rope_theta"), **nested, **cfg}
         if nested.get("rope_type", nested.get("type", "default")) != "default":  # "yarn", say
             cfg["rope_scaling"] = nested
     cfg = {"tie_word_embeddings": False, "eos_token_id": None, "quantization": None,
-           "mtp_num_hidden_layers": 0, **cfg}
+           "mtp_num_hidden_layers": 0, "decoder_sparse_step": 1, "mlp_only_layers": [], **cfg}
     if cfg.get("quantization_config") == cfg["quantization"]:  # MLX writes its own twice
         cfg.pop("quantization_config", None)
-    entries = {**CONFIG, **QWEN35_CONFIG} if cfg.get("model_type") == "qwen3_5" else CONFIG
+    moe = {"qwen3_moe": MOE_CONFIG, "qwen3_5_moe": MOE35_CONFIG}.get(model_type, {})
+    qwen35 = QWEN35_CONFIG if model_type in ("qwen3_5", "qwen3_5_moe") else {}
+    entries = {**CONFIG, **qwen35, **moe}
+    if model_type == "qwen3_5_moe":  # every layer's MLP a mixture: no dense width
+        del entries["intermediate_size"]
+        if cfg.get("norm_topk_prob", True) is not True:  # transformers renormalises always
+            raise UserError(f"{path}: norm_topk_prob is {shown_json(cfg['norm_topk_prob'])}: "
+                            "Qwen3.5-MoE's top k are renormalised (transformers has no such "
+                            "entry)")
     gen = {"eos_token_id": None, **gen}  # generation_config.json's is optional
     for file, data, names in [(path, cfg, entries), (gen_path, gen, ["eos_token_id"])]:
         for name in names:
@@ -1583,9 +1763,43 @@ def read_configs(folder):
         if cfg.get(name, computed) != computed:
             raise UserError(f"{path}: {name} is {shown_json(cfg[name])}: this script does not run "
                             f"{other}")
-    qwen35 = {name: cfg[name] for name in QWEN35_CONFIG} if cfg["model_type"] == "qwen3_5" else {}
+    yarn = checked_yarn(cfg.get("rope_scaling"), path)
+    if yarn:  # the context it reaches: factor x the original (Qwen's cards keep max_position_...)
+        cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], int(
+            yarn["factor"] * yarn["original_max_position_embeddings"]))
+    if moe:
+        moe = {"norm_topk_prob": True, **{name: cfg[name] for name in moe}}
+        moe["layers"] = [i for i in range(cfg["num_hidden_layers"]) if model_type == "qwen3_5_moe"
+                         or i not in cfg["mlp_only_layers"] and (i + 1) % cfg["decoder_sparse_step"]
+                         == 0]  # Qwen3-MoE's rule, as transformers and mlx-lm have it
     eos = set(as_list(cfg["eos_token_id"]) + as_list(gen["eos_token_id"])) - {None}
-    return {**{name: cfg[name] for name in CONFIG}, "eos_ids": eos, "qwen35": qwen35}
+    return {**{name: cfg.get(name) for name in CONFIG}, "eos_ids": eos, "moe": moe, "yarn": yarn,
+            "model_type": model_type.removesuffix("_moe"),  # its family: the code's branches
+            "qwen35": {name: cfg[name] for name in qwen35}}
+
+def checked_yarn(scaling, path):
+    """rope_scaling (or rope_parameters' scaling): None, or YaRN's entries, checked: factor and
+    original_max_position_embeddings required (mlx-lm and transformers default the second
+    differently), the rest as transformers defaults them. Any other scaling: a UserError."""
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if scaling is None or kind == "default":  # (the plain RoPE, said so)
+        return {}
+    if kind != "yarn":
+        raise UserError(f"{path}: rope_scaling is {shown_json(scaling)}: this script runs YaRN "
+                        '("rope_type": "yarn") alone of the scaled RoPEs')
+    for name in ("mscale", "mscale_all_dim"):  # DeepSeek's: a scale the Qwen models do not use
+        if name in scaling:
+            raise UserError(f"{path}: rope_scaling's {name} is {shown_json(scaling[name])}: this "
+                            "script does not run YaRN's mscale (DeepSeek's)")
+    for name, kind in YARN_CONFIG.items():
+        required = name in ("factor", "original_max_position_embeddings")
+        if required and name not in scaling:
+            raise UserError(f"{path}: rope_scaling has no '{name}' entry, which YaRN needs (the "
+                            "libraries default it differently)")
+        if name in scaling and not fits(scaling[name], kind, {}):
+            raise UserError(f"{path}: rope_scaling's {name} must be {KINDS[kind]}, not "
+                            f"{shown_json(scaling[name])}")
+    return {name: scaling[name] for name in YARN_CONFIG if name in scaling}
 
 def weight_files(folder):
     """{file: its tensors, None for all}: as model.safetensors.index.json names them, else
@@ -1626,8 +1840,14 @@ def read_weights(folder, cfg, dtype):
     if cfg["tie_word_embeddings"]:  # one table, both ways (a stored copy is not used)
         for part in (".weight", ".scales", ".biases"):  # a quantised table has all three
             weights["lm_head" + part] = weights.get("model.embed_tokens" + part)
+    for name in weights:
+        if name.endswith(("mlp.gate.bias", "e_score_correction_bias")):  # (else left unread)
+            raise UserError(f"tensor {name} in {source[name]}: this script does not run a router "
+                            "bias")
+    tensors = w = None  # weights alone holds them now: what is cut or stacked is then freed
+    if cfg["moe"]:
+        stack_experts(weights, cfg, folder)
     weights = checked_shapes(weights, expected_shapes(cfg, weights), folder)
-    tensors = w = None  # weights alone holds them now: what a cut leaves of a tensor is freed
     for name in list(weights) if cfg["group"] else []:  # several processes: this one's parts
         weights[name] = shard(name, weights[name], cfg["group"], cfg["qwen35"])
     # The MTP head's layer is also read as layer N (num_hidden_layers), after the model's own.
@@ -1645,51 +1865,99 @@ def read_weights(folder, cfg, dtype):
             raise UserError(f"tensor {name} in {source[name]} holds NaN or inf: {why}")
     return weights
 
+def stack_experts(weights, cfg, folder):
+    """Each mixture's experts, stacked in weights as Qwen3.5-MoE's release holds them:
+    experts.gate_up_proj (E, 2I, D), gate's rows first, and experts.down_proj (E, D, I), a
+    .scales and .biases beside each if quantised. Stacked here: Qwen3-MoE's one tensor an expert
+    (each named if missing or misshapen), and MLX's switch_mlp.* (gate and up apart); a block at
+    a time, evaluated before the next, so that the model is never held twice."""
+    e, i, d = cfg["moe"]["num_experts"], cfg["moe"]["moe_intermediate_size"], cfg["hidden_size"]
+    for p in sorted({name.split("mlp.")[0] + "mlp." for name in weights if "mlp.experts." in name
+                     or "mlp.switch_mlp." in name}):
+        for part in ("", ".scales", ".biases") if p + "switch_mlp.gate_proj.weight" in weights \
+                else []:  # MLX's conversion: stacked already (E, rows, packed columns)
+            gate, up, down = (weights.pop(f"{p}switch_mlp.{m}_proj{part or '.weight'}", None)
+                              for m in ("gate", "up", "down"))
+            if gate is not None and up is not None and down is not None:
+                weights[p + "experts.gate_up_proj" + part] = mx.concatenate([gate, up], axis=1)
+                weights[p + "experts.down_proj" + part] = down
+        if p + "experts.0.gate_proj.weight" in weights:  # Hugging Face's Qwen3-MoE: one each
+            each = {"gate": (i, d), "up": (i, d), "down": (d, i)}
+            for n, (m, shape) in [(n, item) for n in range(e) for item in each.items()]:
+                name = f"{p}experts.{n}.{m}_proj.weight"
+                if weights.get(name) is None or weights[name].shape != shape:
+                    found = "is missing" if weights.get(name) is None else \
+                        f"has shape {weights[name].shape}"
+                    raise UserError(f"tensor {name} {found} in {folder}; expected shape {shape}")
+            stacked = {m: mx.stack([weights.pop(f"{p}experts.{n}.{m}_proj.weight")
+                                    for n in range(e)]) for m in each}  # (E, rows, columns)
+            weights[p + "experts.gate_up_proj"] = mx.concatenate([stacked["gate"],
+                                                                  stacked["up"]], axis=1)
+            weights[p + "experts.down_proj"] = stacked["down"]
+        mx.eval([w for name, w in weights.items() if name.startswith(p + "experts.")])
+
 def expected_shapes(cfg, weights):
     """The tensors the model uses -> the shapes config.json's sizes give them."""
     d, f, v, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
-    q, kv, c = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["qwen35"]
-    mlp = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-           "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
-           "mlp.down_proj.weight": (d, f)}
-    full = {**mlp, "self_attn.q_proj.weight": (2 * q if c else q, d),  # Qwen3.5's: and its gate
+    q, kv, c, moe = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg[
+        "qwen35"], cfg["moe"]
+    norms = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    dense = {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+             "mlp.down_proj.weight": (d, f)}
+    experts = {}  # a mixture's MLP: the router, the experts stacked, Qwen3.5's shared expert
+    if moe:
+        e, i, s = moe["num_experts"], moe["moe_intermediate_size"], moe.get(
+            "shared_expert_intermediate_size")
+        experts = {"mlp.gate.weight": (e, d), "mlp.experts.gate_up_proj": (e, 2 * i, d),
+                   "mlp.experts.down_proj": (e, d, i)}
+        if s:
+            experts.update({"mlp.shared_expert.gate_proj.weight": (s, d),
+                            "mlp.shared_expert.up_proj.weight": (s, d),
+                            "mlp.shared_expert.down_proj.weight": (d, s),
+                            "mlp.shared_expert_gate.weight": (1, d)})
+    full = {"self_attn.q_proj.weight": (2 * q if c else q, d),  # Qwen3.5's: and its gate
             "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
             "self_attn.o_proj.weight": (d, q), "self_attn.q_norm.weight": (hd,),
             "self_attn.k_norm.weight": (hd,)}
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
               "lm_head.weight": (v, d)}
-    if c:  # Qwen3.5's Gated DeltaNet layers, and its MTP head (all 15 tensors, or none)
+    if c:  # Qwen3.5's Gated DeltaNet layers, and its MTP head (all its tensors, or none)
         keys = c["linear_num_key_heads"] * c["linear_key_head_dim"]        # 2048
         values = c["linear_num_value_heads"] * c["linear_value_head_dim"]  # 2048
         a, heads = "linear_attn.", (c["linear_num_value_heads"],)
-        delta = {**mlp, a + "in_proj_qkv.weight": (2 * keys + values, d),
+        delta = {a + "in_proj_qkv.weight": (2 * keys + values, d),
                  a + "in_proj_z.weight": (values, d), a + "in_proj_b.weight": (*heads, d),
                  a + "in_proj_a.weight": (*heads, d), a + "dt_bias": heads, a + "A_log": heads,
                  a + "conv1d.weight": (2 * keys + values, c["linear_conv_kernel_dim"]),
                  a + "norm.weight": (c["linear_value_head_dim"],),
                  a + "out_proj.weight": (d, values)}
         if c["mtp_num_hidden_layers"] and any(name.startswith("mtp.") for name in weights):
+            layer = {**norms, **(experts or dense), **full}  # (Qwen3.5-MoE's: a mixture too)
             shapes.update({"mtp.fc.weight": (d, 2 * d), "mtp.norm.weight": (d,),
                            "mtp.pre_fc_norm_embedding.weight": (d,),
                            "mtp.pre_fc_norm_hidden.weight": (d,),
-                           **{f"mtp.layers.0.{name}": s for name, s in full.items()}})
-    for i in range(cfg["num_hidden_layers"]):
-        own = delta if c and c["layer_types"][i] == "linear_attention" else full
-        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in own.items()})
+                           **{f"mtp.layers.0.{name}": s for name, s in layer.items()}})
+    for n in range(cfg["num_hidden_layers"]):
+        mixer = delta if c and c["layer_types"][n] == "linear_attention" else full
+        mlp = experts if moe and n in moe["layers"] else dense
+        shapes.update({f"model.layers.{n}.{name}": s for name, s in {**norms, **mlp,
+                                                                      **mixer}.items()})
     return shapes
 
 def checked_shapes(weights, shapes, folder):
     """weights, only the tensors the model uses, each of the shape config.json predicts. MLX's
     quantised ones: packed words, a scale and a bias per group of a row's numbers."""
     for name, shape in list(shapes.items()):
-        scales = weights.get(name.replace(".weight", ".scales"))
-        if scales is not None and len(shape) == 2 and name in weights:
-            bits, group_size = weights[name].shape[-1] * 32 / shape[1], shape[1] / scales.shape[-1]
+        base = name.removesuffix(".weight")  # (a stacked expert tensor's name has no .weight)
+        scales = weights.get(base + ".scales")
+        if scales is not None and len(shape) >= 2 and name in weights:
+            bits = weights[name].shape[-1] * 32 / shape[-1]            # 4, say
+            group_size = shape[-1] / scales.shape[-1]                    # 64, say
             if bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
                 raise UserError(f"tensor {name} in {folder}: {weights[name].shape} packed with "
                                 f"scales {scales.shape} is not MLX's quantisation of {shape}")
-            shapes[name] = (shape[0], weights[name].shape[-1])
-            shapes[name[:-6] + "scales"] = shapes[name[:-6] + "biases"] = scales.shape
+            shapes[name] = (*shape[:-1], weights[name].shape[-1])
+            shapes[base + ".scales"] = shapes[base + ".biases"] = scales.shape
     for name, shape in shapes.items():
         untied = " (tie_word_embeddings is false)" if name == "lm_head.weight" else ""
         if weights.get(name) is None:
@@ -1937,21 +2205,28 @@ def xet_trouble(text, into):
 def check_split(cfg, n):
     """N processes each take 1/N of a block's heads and features: N must divide every count (and,
     quantised, leave whole groups of the numbers a row holds)."""
-    c, hd, q = cfg["qwen35"], cfg["head_dim"], cfg["quantization"]
-    counts = {"query heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"],
-              "MLP features": cfg["intermediate_size"]}
+    c, hd, q, moe = cfg["qwen35"], cfg["head_dim"], cfg["quantization"], cfg["moe"]
+    counts = {"query heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"]}
+    if not moe or len(moe["layers"]) < cfg["num_hidden_layers"]:  # a dense MLP somewhere
+        counts["MLP features"] = cfg["intermediate_size"]
+    if moe:  # each expert's features (and the shared expert's) cut, as the dense MLP's
+        counts["expert features"] = moe["moe_intermediate_size"]
+        if moe.get("shared_expert_intermediate_size"):
+            counts["shared expert features"] = moe["shared_expert_intermediate_size"]
     if c:
         counts.update({"DeltaNet key heads": c["linear_num_key_heads"],
                        "DeltaNet value heads": c["linear_num_value_heads"]})
     wrong = [f"{count} {what}" for what, count in counts.items() if count % n]
-    inputs = [counts["query heads"] * hd, counts["MLP features"]]  # what o and down read
-    if c:
-        inputs.append(c["linear_num_value_heads"] * c["linear_value_head_dim"])  # out_proj's
-    if q and not wrong and any(width // n % q["group_size"] for width in inputs):
-        wrong.append(f"the quantisation's groups of {q['group_size']}")
+    inputs = [counts["query heads"] * hd] + [counts[what] for what in counts if "features" in what]
+    if c:  # (o_proj, down_proj and out_proj read the inputs cut)
+        inputs.append(c["linear_num_value_heads"] * c["linear_value_head_dim"])
     if wrong:
         raise UserError(f"{n} processes cannot share this model's blocks: {n} does not divide its "
                         f"{', '.join(wrong)} (mlx.launch -n: a number that does)")
+    if q and any(width // n % q["group_size"] for width in inputs):
+        raise UserError(f"{n} processes cannot share this model's blocks: each one's part of a "
+                        f"row would cut the quantisation's groups of {q['group_size']} numbers "
+                        "(mlx.launch -n: a smaller number)")
 
 def all_ranks_agree(group, step, *args):
     """step(*args) -> its result. Several processes: each rank's UserError counted in one all_sum,

@@ -8,6 +8,8 @@
     python tests/benchmark.py --shape small          # 28 tiny layers: bound by the launch overhead
     python tests/benchmark.py --quantize 4           # the same, quantised by mlx-lm (groups of 64)
     python tests/benchmark.py --qwen35               # Qwen3.5-0.8B's proportions, 4 layers: 3 DeltaNet
+    python tests/benchmark.py --moe --dtype float32  # Qwen3-30B-A3B's proportions, 2 layers of
+                                                     # 128 experts (8 a token); --quantize 4 too
     python tests/benchmark.py --batches 1,4,16       # batching: ours, mlx-lm's batch_generate, B runs
     python tests/benchmark.py --batches 16,32 --no-plain-runs   # without the B plain runs
     python tests/benchmark.py --qwen35 --draft mtp   # drafting: heads that agree, half agree, random
@@ -58,6 +60,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llm_inference as li  # noqa: E402
 from conftest import QWEN3_06B, QWEN35_08B, build_tokenizer, write_checkpoint, write_qwen35  # noqa: E402
+from moe_checkpoints import write_qwen3_moe  # noqa: E402
+
+# Qwen3-30B-A3B's shapes (its config.json): 48 layers, each 128 experts of 768, 8 a token.
+QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     vocab_size=151936, max_position_embeddings=40960, num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768)
 
 SMALL = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=28, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, vocab_size=640, max_position_embeddings=8192)
@@ -312,6 +321,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="quantise it with mlx_lm.convert")
     ap.add_argument("--qwen35", action="store_true", help="a random Qwen3.5 (0.8B's proportions)")
+    ap.add_argument("--moe", action="store_true", help="a random Qwen3-MoE (30B-A3B's proportions)")
     ap.add_argument("--batches", help="batch sizes, e.g. 1,4,16: the batching rows only")
     ap.add_argument("--no-plain-runs", action="store_true", help="batching: skip the B plain runs")
     ap.add_argument("--draft", choices=["mtp", "lookup"], help="the drafting rows only")
@@ -331,10 +341,15 @@ def main():
     if folder is None and args.shape == "small":
         shapes = SMALL
     elif folder is None:
-        real = QWEN35_08B if args.qwen35 else QWEN3_06B
+        real = QWEN35_08B if args.qwen35 else QWEN3_30B_A3B if args.moe else QWEN3_06B
         vocab = real["vocab_size"] * args.layers // real["num_hidden_layers"] // 64 * 64
         shapes = dict(real, num_hidden_layers=args.layers, vocab_size=vocab)
-    if folder is None and args.qwen35:
+    if folder is None and args.moe:
+        print(f"writing a random {args.dtype} Qwen3-MoE: {shapes['num_hidden_layers']} layers of "
+              f"{shapes['num_experts']} experts, vocabulary {shapes['vocab_size']} ...")
+        folder = write_qwen3_moe(tmp.name, build_tokenizer(), dtype=args.dtype, lm_head="tied_stored",
+                                 init="realistic", **shapes)
+    elif folder is None and args.qwen35:
         print(f"writing a random {args.dtype} Qwen3.5: {shapes['num_hidden_layers']} layers, "
               f"vocabulary {shapes['vocab_size']} ...")
         folder = write_qwen35(tmp.name, build_tokenizer(), dtype=args.dtype, **shapes)

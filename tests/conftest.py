@@ -298,3 +298,17 @@ def write_qwen35(folder, tokenizer, dtype="float32", tied=True, seed=0, layer_ty
 def qwen35(tmp_path_factory, tokenizer):
     """A factory: qwen35(**options) writes (once per option set) and returns a Qwen3.5 folder."""
     return once_per_options(tmp_path_factory, tokenizer, write_qwen35, "qwen35")
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe(tmp_path_factory, tokenizer):
+    """A factory: qwen3_moe(**options), a tiny Qwen3-MoE (tests/moe_checkpoints.py), once each."""
+    from moe_checkpoints import write_qwen3_moe
+    return once_per_options(tmp_path_factory, tokenizer, write_qwen3_moe, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def qwen35_moe(tmp_path_factory, tokenizer):
+    """A factory: qwen35_moe(**options), a tiny Qwen3.5-MoE with its shared expert, once each."""
+    from moe_checkpoints import write_qwen3_5_moe
+    return once_per_options(tmp_path_factory, tokenizer, write_qwen3_5_moe, "qwen35_moe")

@@ -86,7 +86,7 @@ def test_config_not_json(broken):
     assert_error(run_cli("--model", str(broken)), "config.json is not valid JSON")
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", None])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe", None])
 def test_other_architecture(broken, model_type):
     cfg = json.loads((broken / "config.json").read_text())
     cfg["model_type"] = model_type
@@ -463,12 +463,19 @@ def test_broken_link_where_a_file_belongs(broken):
                  " to ../../blobs/3f1a9c: download it again")
 
 
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+@pytest.mark.parametrize("entry, value", [
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6})])
+def test_a_scaled_rope_other_than_yarn(broken, entry, value):
+    """YaRN runs (tests/test_yarn.py); another scaling of RoPE is refused, the nested form named
+    rope_scaling as transformers reads it."""
+    edit_json(broken / "config.json", lambda cfg: cfg | {entry: value})
+    r = run_cli("--model", str(broken), "-m", "3")
+    assert_error(r, f"{broken / 'config.json'}: rope_scaling is {{\"rope_type\": \"{value['rope_type']}\"",
+                 'this script runs YaRN ("rope_type": "yarn") alone of the scaled RoPEs')
 
 
 @pytest.mark.parametrize("entry, value, what", [
-    ("rope_scaling", YARN, "a scaled RoPE (YaRN and its kin)"),
-    ("rope_parameters", dict(YARN, rope_theta=1e6), "a scaled RoPE (YaRN and its kin)"),
     ("attention_bias", True, "biases in the attention projections"),
     ("hidden_act", "gelu", "an activation other than SiLU"),
     ("use_sliding_window", True, "sliding-window attention"),

@@ -474,7 +474,7 @@ def test_quantised_groups_that_straddle_a_split_are_refused(width):
     cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
            "intermediate_size": 256, "quantization": {"group_size": 64, "bits": 4},
            "qwen35": {"linear_num_key_heads": 2, "linear_num_value_heads": 2,
-                      "linear_value_head_dim": 128}}
+                      "linear_value_head_dim": 128}, "moe": {}}
     li.check_split(cfg, 2)  # 256 numbers a row in each: 128 a rank, whole groups
     if width == "query heads":
         cfg["num_attention_heads"], cfg["head_dim"] = 6, 32  # 192
@@ -505,3 +505,27 @@ def test_drafting_under_two_processes_counts_its_passes(qwen35):
     per_pass = int(n) / int(passes[2])
     share = 100 * float(sums[2]) / 1e3 * float(rate) / per_pass
     assert float(sums[3]) == pytest.approx(share, rel=0.02, abs=0.15), shown(r)
+
+
+# ─── Mixtures of experts: each expert's features cut, the router whole, one sum a block ───
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen35_moe", "4-bit"])
+def test_a_mixture_under_two_processes_is_one_processs(qwen3_moe, qwen35_moe, tmp_path, kind):
+    """Qwen3-MoE, Qwen3.5-MoE (a shared expert, an MTP head), and a 4-bit conversion with its
+    8-bit routers (each expert 64 features wide: 32 a rank, whole groups of 32): the same text
+    as one process; the mixture's and the shared expert's parts added in one sum, so 2 a block."""
+    if kind == "4-bit":
+        from mlx_lm.convert import convert
+        folder = tmp_path / "q4"
+        convert(str(qwen3_moe(moe_intermediate_size=64)), str(folder), quantize=True,
+                q_group_size=32, q_bits=4)
+    else:
+        folder = qwen3_moe() if kind == "qwen3_moe" else qwen35_moe()
+    args = ["--model", folder, "-p", PROMPT, "-m", "10"]
+    one = run_cli(*map(str, args))
+    r = launch(2, *args)
+    assert one.returncode == 0 and error_lines(r.stderr) == [], shown(r)
+    assert completion(r.stdout) == completion(one.stdout), shown(r)
+    import llm_inference as li
+    li.load_checked(folder)
+    assert f"All-sums: {2 * li.N_LAYERS} a pass (2 a block)" in r.stdout, shown(r)
