@@ -783,7 +783,7 @@ def moe(x, layer_idx):
     y[t] += weight[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t]))."""
     p, k = f"model.layers.{layer_idx}.mlp.", MOE["num_experts_per_tok"]
     probs = mx.softmax(linear(x, p + "gate").astype(mx.float32), axis=-1)  # (L, 128) router
-    chosen = mx.argpartition(-probs, k - 1, axis=-1)[:, :k]           # (L, 8) its 8 likeliest
+    chosen = mx.argpartition(probs, -k, axis=-1)[:, -k:]              # (L, 8) its 8 likeliest
     weights = mx.take_along_axis(probs, chosen, axis=-1)              # (L, 8)
     if MOE["norm_topk_prob"]:
         weights = weights / weights.sum(axis=-1, keepdims=True)       # (L, 8) summing to 1
