@@ -1,7 +1,8 @@
 """Qwen3 from scratch beside "Inside an LLM: Pure Python Inference for Qwen3-0.6B on MLX".
 Part I    the article's script: constants, load(), Steps 1-9 through generate(). It runs alone.
 Part II   what the article leaves out, the model side: quantised weights, Qwen3.5's hybrid
-          attention, multi-token prediction, batching, several machines.
+          attention, multi-token prediction, batching, several machines, mixtures of experts,
+          long context by YaRN.
 Part III  See inside: the views that teach (--explain), each callable from a notebook.
 Part IV   the program, read top-down from main(): the command line, an answer, a batch, chat,
           loading and its checks, the download, several processes."""
@@ -24,7 +25,7 @@ EPS = 1e-6       # rms_norm_eps
 THETA = 1e6      # rope_theta: base of RoPE's rotation frequencies
 MAX_POS = 40960  # max_position_embeddings: the longest context
 EOS_IDS = {151645, 151643}  # <|im_end|>, <|endoftext|>: the article stops on one; any stops here
-MODEL = "qwen3"  # model_type: "qwen3", or "qwen3_5" (Qwen3.5: Part II)
+MODEL = "qwen3"  # model_type: "qwen3", or "qwen3_5" (Qwen3.5: Part II); their "_moe": MOE
 QWEN35 = {}      # Qwen3.5's own config entries (Part II); {} for Qwen3
 MOE = {}         # a mixture of experts' config entries (Part II); {} for a dense model
 YARN = {}        # rope_scaling's, for YaRN's long context (Part II); {} for the plain RoPE
@@ -77,7 +78,7 @@ def linear(x, name, summed=True):
     (Part II): where each holds some of its input columns, each has a part; all_sum adds them
     (summed=False: not yet, a mixture of experts adds its parts once)."""
     y = quantized_linear(x, name) if name + ".scales" in W else x @ W[name + ".weight"].T
-    if GROUP is not None and summed and SPLIT.get(name.split(".")[-1]) == -1:  # o_proj, down...
+    if GROUP is not None and summed and SPLIT.get(name.split(".")[-1]) == -1:  # o, down, out
         y = mx.distributed.all_sum(y, group=GROUP)
     return y
 
@@ -779,8 +780,8 @@ def moe(x, layer_idx):
     """x: (L, D) -> (L, D). The router's probabilities over the E experts (a softmax, in float32),
     each token's k likeliest (renormalised to sum to 1 when norm_topk_prob), those experts'
     SwiGLU of the token, weighted and added; Qwen3.5's shared expert added through its sigmoid
-    gate. Written as a loop, the same numbers: for each token t and each of its k experts e,
-    y[t] += weight[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t]))."""
+    gate. As a loop (tests/test_moe.py holds the two equal): for each token t and each of its k
+    experts e, y[t] += weight[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t]))."""
     p, k = f"model.layers.{layer_idx}.mlp.", MOE["num_experts_per_tok"]
     probs = mx.softmax(linear(x, p + "gate").astype(mx.float32), axis=-1)  # (L, 128) router
     chosen = mx.argpartition(probs, -k, axis=-1)[:, -k:]              # (L, 8) its 8 likeliest
