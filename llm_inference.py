@@ -1792,13 +1792,13 @@ def checked_yarn(scaling, path):
         if name in scaling:
             raise UserError(f"{path}: rope_scaling's {name} is {shown_json(scaling[name])}: this "
                             "script does not run YaRN's mscale (DeepSeek's)")
-    for name, kind in YARN_CONFIG.items():
+    for name, value_kind in YARN_CONFIG.items():
         required = name in ("factor", "original_max_position_embeddings")
         if required and name not in scaling:
             raise UserError(f"{path}: rope_scaling has no '{name}' entry, which YaRN needs (the "
                             "libraries default it differently)")
-        if name in scaling and not fits(scaling[name], kind, {}):
-            raise UserError(f"{path}: rope_scaling's {name} must be {KINDS[kind]}, not "
+        if name in scaling and not fits(scaling[name], value_kind, {}):
+            raise UserError(f"{path}: rope_scaling's {name} must be {KINDS[value_kind]}, not "
                             f"{shown_json(scaling[name])}")
     return {name: scaling[name] for name in YARN_CONFIG if name in scaling}
 
