@@ -1310,6 +1310,8 @@ def summary(folder, cfg):
         name = name.replace(" from ", "-MoE from ", 1)
         layers += (f", {len(MOE['layers'])} with {MOE['num_experts']} experts "
                    f"({MOE['num_experts_per_tok']} a token)")
+        if "load_peak" in cfg:  # stacked a block at a time: never the model twice
+            size += f", {cfg['load_peak'] / 1e9:.2f} GB at most while loading"
     if YARN:
         size += f", RoPE by YaRN x{YARN['factor']} to {MAX_POS} positions"
     return (f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
@@ -1631,7 +1633,9 @@ def load_checked(model_dir, dtype=None, group=None):
     cfg["group"] = group if group is not None and group.size() > 1 else None
     if cfg["group"]:  # before any weight is read
         check_split(cfg, group.size())
+    mx.reset_peak_memory()  # the load's own peak: summary() says it for a mixture of experts
     weights = read_weights(folder, cfg, dtype)  # each tensor the model uses, of its right shape
+    cfg["load_peak"] = mx.get_peak_memory()
     tok = read_tokenizer(folder, cfg)  # every id a row of the embedding
     if not (folder / "generation_config.json").exists():  # the article's four files: Qwen3's EOS
         cfg["eos_ids"] |= {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")} - {None}

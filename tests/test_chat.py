@@ -20,36 +20,8 @@ import mlx.core as mx
 import pytest
 
 import llm_inference as li
-from test_cli_errors import ROOT, run_cli, slow_checkpoint  # noqa: F401 (a fixture)
+from test_cli_errors import HOLD_IN_PREFILL, ROOT, run_cli
 
-
-# Run as `python -c HOLD_IN_PREFILL llm_inference.py FLAGS`: the program as its own __main__, but
-# that the first mx.eval() made inside a prefill (its first step in the cache) says so on the screen
-# and then waits, until Ctrl-C raises KeyboardInterrupt there, as it would at the end of that step's
-# eval. A Ctrl-C is then sure to land inside the prefill, however fast or loaded the machine: no
-# sleep is raced against the prefill's end.
-HOLD_IN_PREFILL = """
-import runpy, sys, time
-import mlx.core as mx
-evaluate, held = mx.eval, []
-def eval_holding(*args):
-    evaluate(*args)
-    frame, callers = sys._getframe(1), []
-    while frame:
-        callers.append(frame.f_code.co_name)
-        frame = frame.f_back
-    if not held and any("prefill" in name or name == "hidden_pass" for name in callers):
-        held.append(callers)
-        try:  # (the marker inside: a Ctrl-C right after it is caught here too)
-            print("[test: a prefill step is in the cache; waiting for Ctrl-C]", flush=True)
-            time.sleep(600)
-        except KeyboardInterrupt:
-            print("[test: Ctrl-C in the prefill]", flush=True)
-            raise
-mx.eval = eval_holding
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 # Timeouts only bound a hang: a loaded machine may take minutes over a slow checkpoint's prefill.
 TIMEOUT = 300
@@ -180,22 +152,22 @@ def test_ctrl_c_stops_the_answer_and_the_next_turn_is_a_fresh_runs(checkpoint, q
     assert second in ["".join(p) for p in expected]
 
 
-def test_ctrl_c_during_a_turns_prefill(slow_checkpoint, tokenizer):
-    """Ctrl-C while a long line is prefilled (seconds): no answer, the prompt comes back, and the
-    next answer equals a fresh run of the conversation (that turn's answer empty): the cache is
+def test_ctrl_c_during_a_turns_prefill(checkpoint, tokenizer):
+    """Ctrl-C while a long line is prefilled: no answer, the prompt comes back, and the next
+    answer equals a fresh run of the conversation (that turn's answer empty): the cache is
     trusted only as far as it was before the interrupted prefill. The Ctrl-C comes once the
     prefill's first step is in the cache (HOLD_IN_PREFILL), not after a sleep that a fast machine
     outruns (the prefill over) or a loaded one undershoots."""
-    long = "The capital of France is Paris. " * 40  # ~400 tokens
-    t = Terminal("--model", str(slow_checkpoint), "--chat", "-m", "5", "--verbose",
-                 hook=HOLD_IN_PREFILL)
+    long = "The capital of France is Paris. " * 10  # ~100 tokens: steps of STEP (32) at a terminal
+    folder = checkpoint()
+    t = Terminal("--model", str(folder), "--chat", "-m", "5", "--verbose", hook=HOLD_IN_PREFILL)
     t.read_until(b">> ")
     t.type(long.encode() + b"\r")
     t.read_until(b"[test: a prefill step is in the cache", not_after=b"==========")
     out = interrupt_then_ask(t)
     first, second = out.split("[KV cache: ")[1:]
     assert "[test: Ctrl-C in the prefill]" in first and "==========" not in first  # stopped inside
-    li.load(slow_checkpoint)
+    li.load(folder)
     ids = tokenizer.encode(li.chat_prompt([long, "", "And Japan?"])).ids
     assert second.split("==========\n")[1] == "".join(answer_pieces(ids, 5)) + "\n"
 

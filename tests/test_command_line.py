@@ -2,7 +2,6 @@
 every error comes before any output, and the statistics lines time what mlx_lm.generate times."""
 import argparse
 import re
-import time
 
 import pytest
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import termios
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -76,11 +77,27 @@ def fresh_clone(tmp_path):
     return tmp_path
 
 
-def environment(hub, home, **extra):
+# huggingface_hub waits 1, 2, 4, 8 and 8 s between its tries, and no setting changes that: in
+# the child its waits are a hundredth as long (what it prints, "Retrying in 1s", stays), so a
+# test of its five retries takes a second, not 23.
+FAST_RETRIES = """import time, types
+import huggingface_hub.utils._http as http
+def sleep(seconds):
+    time.sleep(seconds / 100)
+http.time = types.SimpleNamespace(**vars(time))
+http.time.sleep = sleep
+"""
+
+
+def environment(hub, home, site="", **extra):
     """The child's: the stand-in, a Hugging Face home of its own, no telemetry asked; hf_xet's
-    retries 0.1 s apart (its default, 3 s, grows to minutes), as a user may set."""
+    retries 0.1 s apart (its default, 3 s, grows to minutes), as a user may set; huggingface_hub's
+    as FAST_RETRIES has them. site: more Python for the child's sitecustomize.py."""
+    folder = Path(home).parent / f"site-{zlib.crc32(site.encode())}"  # one a text
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(FAST_RETRIES + site)
     return {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(home), "PYTHONIOENCODING": "utf-8",
-            "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+            "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONPATH": str(folder),
             "HF_XET_CLIENT_RETRY_BASE_DELAY": "100ms", **extra}
 
 
@@ -298,18 +315,15 @@ socket.getaddrinfo = refuse
 """
 
 
-def test_no_network_shows_itself_and_the_hand_command(xet_hub, fresh_clone, tmp_path):
+def test_no_network_shows_itself_and_the_hand_command(xet_hub, fresh_clone):
     """No network (every name lookup fails inside the process): within seconds a line shows what
     is tried, each retry of huggingface_hub's too; the last line says the Hub could not be reached
     and prints the command that downloads the files by hand into the folder the script reads;
     run as printed (the Hub up, its weights on Xet storage), it does, and the script then runs
     without asking the Hub. (Nothing reaches Xet storage first: the plain path would be the same,
-    23 s of huggingface_hub's retries again.)"""
+    huggingface_hub's retries again.)"""
     hub = xet_hub
-    (tmp_path / "no_lookup").mkdir()
-    (tmp_path / "no_lookup" / "sitecustomize.py").write_text(NO_LOOKUP)
-    env = environment(hub, fresh_clone / "hf", HF_ENDPOINT="https://huggingface.co",
-                      PYTHONPATH=str(tmp_path / "no_lookup"))
+    env = environment(hub, fresh_clone / "hf", NO_LOOKUP, HF_ENDPOINT="https://huggingface.co")
     tic = time.time()
     p = subprocess.Popen([sys.executable, str(fresh_clone / "llm_inference.py"), "-m", "3"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -341,8 +355,8 @@ def test_offline(hub, fresh_clone):
     ("plain", "model.safetensors", 500, "500 Internal Server Error")])
 def test_the_hub_answers_an_error(checkpoint, fresh_clone, path, name, status, answer):
     """The file and what the Hub answered, where it resolves the file's name, before any storage.
-    (A server error: huggingface_hub asks five more times, over about 23 s, before it gives up:
-    on the plain path only, the Xet one's would be the same.)"""
+    (A server error: huggingface_hub asks five more times before it gives up: on the plain path
+    only, the Xet one's would be the same.)"""
     hub = stand_in(checkpoint, path == "xet")
     hub.status[name] = status
     r = run(fresh_clone, hub)
