@@ -861,7 +861,7 @@ def yarn(freqs):
 
 # ═══ Part III — See inside: the views that teach, for --explain and for a notebook ═══
 # Each takes plain values (ids, a cache, numbers), never the command line's flags.
-import os, shutil, sys, time, timeit, unicodedata  # noqa: E401, E402
+import os, shutil, sys, textwrap, time, timeit, unicodedata  # noqa: E401, E402
 from collections import Counter  # noqa: E402
 from functools import lru_cache  # noqa: E402
 
@@ -1100,8 +1100,10 @@ def experts_at_work(routes, last, answer):
     for b, parts in per_block.items():
         chosen = mx.concatenate([c for c, _ in parts]).tolist()       # a row of k each position
         weights = mx.concatenate([w for _, w in parts]).tolist()
-        picks = sorted(zip(weights[last], chosen[last]), reverse=True)
-        lines.append(f"{f'block {b + 1}':<8}" + "".join(f" #{x}:{100 * w:.0f}%" for w, x in picks))
+        picks = [f"#{x}:{100 * w:.0f}%" for w, x in sorted(zip(weights[last], chosen[last]),
+                                                          reverse=True)]
+        for i, part in enumerate(textwrap.wrap(" ".join(picks), 71)):  # k > 8: more lines
+            lines.append(f"{f'block {b + 1}' if i == 0 else '':<8} {part}")
         counts = Counter(x for row in chosen[answer.start:answer.stop] for x in row)
         busiest = "".join(f"  #{x} {100 * n / (k * len(answer)):.0f}%"
                           for x, n in counts.most_common(3))
@@ -1310,8 +1312,7 @@ def summary(folder, cfg):
         name = name.replace(" from ", "-MoE from ", 1)
         layers += (f", {len(MOE['layers'])} with {MOE['num_experts']} experts "
                    f"({MOE['num_experts_per_tok']} a token)")
-        if "load_peak" in cfg:  # stacked a block at a time: never the model twice
-            size += f", {cfg['load_peak'] / 1e9:.2f} GB at most while loading"
+        size += f", {cfg['load_peak'] / 1e9:.2f} GB at most while loading"  # never two models
     if YARN:
         size += f", RoPE by YaRN x{YARN['factor']} to {MAX_POS} positions"
     return (f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
@@ -1736,11 +1737,11 @@ def read_configs(folder):
     model_type = model_type if isinstance(model_type, str) else None  # (else: said below)
     if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"], "model_type": model_type}  # the language model's
-    nested = cfg.get("rope_parameters")  # transformers 5 writes rope_theta (and scaling) here
-    if isinstance(nested, dict):
+    nested, scaled = cfg.get("rope_parameters"), "rope_scaling"  # scaled: the entry, as named
+    if isinstance(nested, dict):  # transformers 5 writes rope_theta (and scaling) here
         cfg = {"rope_theta": nested.get("rope_theta"), **nested, **cfg}
         if nested.get("rope_type", nested.get("type", "default")) != "default":  # "yarn", say
-            cfg["rope_scaling"] = nested
+            cfg["rope_scaling"], scaled = nested, "rope_parameters"
     cfg = {"tie_word_embeddings": False, "eos_token_id": None, "quantization": None,
            "mtp_num_hidden_layers": 0, "decoder_sparse_step": 1, "mlp_only_layers": [], **cfg}
     if cfg.get("quantization_config") == cfg["quantization"]:  # MLX writes its own twice
@@ -1768,7 +1769,7 @@ def read_configs(folder):
         if cfg.get(name, computed) != computed:
             raise UserError(f"{path}: {name} is {shown_json(cfg[name])}: this script does not run "
                             f"{other}")
-    yarn = checked_yarn(cfg.get("rope_scaling"), path)
+    yarn = checked_yarn(cfg.get("rope_scaling"), path, scaled)
     if yarn:  # the context it reaches: factor x the original (Qwen's cards keep max_position_...)
         cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], int(
             yarn["factor"] * yarn["original_max_position_embeddings"]))
@@ -1782,27 +1783,28 @@ def read_configs(folder):
             "model_type": model_type.removesuffix("_moe"),  # its family: the code's branches
             "qwen35": {name: cfg[name] for name in qwen35}}
 
-def checked_yarn(scaling, path):
-    """rope_scaling (or rope_parameters' scaling): None, or YaRN's entries, checked: factor and
-    original_max_position_embeddings required (mlx-lm and transformers default the second
-    differently), the rest as transformers defaults them. Any other scaling: a UserError."""
+def checked_yarn(scaling, path, entry="rope_scaling"):
+    """rope_scaling (or rope_parameters' scaling, entry: its name): None, or YaRN's entries,
+    checked: factor and original_max_position_embeddings required (mlx-lm and transformers
+    default the second differently), the rest as transformers defaults them. Any other scaling:
+    a UserError."""
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if scaling is None or kind == "default":  # (the plain RoPE, said so)
         return {}
     if kind != "yarn":
-        raise UserError(f"{path}: rope_scaling is {shown_json(scaling)}: this script runs YaRN "
+        raise UserError(f"{path}: {entry} is {shown_json(scaling)}: this script runs YaRN "
                         '("rope_type": "yarn") alone of the scaled RoPEs')
     for name in ("mscale", "mscale_all_dim"):  # DeepSeek's: a scale the Qwen models do not use
         if name in scaling:
-            raise UserError(f"{path}: rope_scaling's {name} is {shown_json(scaling[name])}: this "
+            raise UserError(f"{path}: {entry}'s {name} is {shown_json(scaling[name])}: this "
                             "script does not run YaRN's mscale (DeepSeek's)")
     for name, value_kind in YARN_CONFIG.items():
         required = name in ("factor", "original_max_position_embeddings")
         if required and name not in scaling:
-            raise UserError(f"{path}: rope_scaling has no '{name}' entry, which YaRN needs (the "
+            raise UserError(f"{path}: {entry} has no '{name}' entry, which YaRN needs (the "
                             "libraries default it differently)")
         if name in scaling and not fits(scaling[name], value_kind, {}):
-            raise UserError(f"{path}: rope_scaling's {name} must be {KINDS[value_kind]}, not "
+            raise UserError(f"{path}: {entry}'s {name} must be {KINDS[value_kind]}, not "
                             f"{shown_json(scaling[name])}")
     return {name: scaling[name] for name in YARN_CONFIG if name in scaling}
 
@@ -1874,16 +1876,21 @@ def stack_experts(weights, cfg, folder):
     """Each mixture's experts, stacked in weights as Qwen3.5-MoE's release holds them:
     experts.gate_up_proj (E, 2I, D), gate's rows first, and experts.down_proj (E, D, I), a
     .scales and .biases beside each if quantised. Stacked here: Qwen3-MoE's one tensor an expert
-    (each named if missing or misshapen), and MLX's switch_mlp.* (gate and up apart); a block at
+    (each named if missing or misshapen), and MLX's switch_mlp.* (gate and up apart, one missing
+    named); a block at
     a time, evaluated before the next, so that the model is never held twice."""
     e, i, d = cfg["moe"]["num_experts"], cfg["moe"]["moe_intermediate_size"], cfg["hidden_size"]
     for p in sorted({name.split("mlp.")[0] + "mlp." for name in weights if "mlp.experts." in name
                      or "mlp.switch_mlp." in name}):
-        for part in ("", ".scales", ".biases") if p + "switch_mlp.gate_proj.weight" in weights \
+        switch = [f"{p}switch_mlp.{m}_proj" for m in ("gate", "up", "down")]
+        for part in ("", ".scales", ".biases") if any(m + ".weight" in weights for m in switch) \
                 else []:  # MLX's conversion: stacked already (E, rows, packed columns)
-            gate, up, down = (weights.pop(f"{p}switch_mlp.{m}_proj{part or '.weight'}", None)
-                              for m in ("gate", "up", "down"))
-            if gate is not None and up is not None and down is not None:
+            found = [weights.pop(m + (part or ".weight"), None) for m in switch]
+            lost = [m + (part or ".weight") for m, w in zip(switch, found) if w is None]
+            if 0 < len(lost) < 3:  # (none of the three: not quantised, or checked later)
+                raise UserError(f"tensor {lost[0]} is missing in {folder}")
+            if not lost:
+                gate, up, down = found
                 weights[p + "experts.gate_up_proj" + part] = mx.concatenate([gate, up], axis=1)
                 weights[p + "experts.down_proj" + part] = down
         if p + "experts.0.gate_proj.weight" in weights:  # Hugging Face's Qwen3-MoE: one each
@@ -2068,8 +2075,8 @@ def fetch_missing(repo, local_dir):  # download()'s work -> the folder
             links = [damaged] if damaged else []  # in the cache: a link to a blob (on Xet
             while links and links[-1].is_symlink():  # storage, to a link to a shared file)
                 links.append(links[-1].parent / os.readlink(links[-1]))
-            for path in reversed(links):  # removed: the file, and each link that led to it
-                path.unlink()
+            for link in reversed(links):  # removed: the file, and each link that led to it
+                link.unlink()
             if damaged:
                 raise UserError(f"{damaged} is not the file the Hub announced ({bad['algorithm']} "
                                 f"{bad['actual'][:12]}..., not {bad['expected'][:12]}...): damaged "
@@ -2127,7 +2134,7 @@ def watched(name, quiet=QUIET):
             heard[0] = time.monotonic()
             return super().update(n)
 
-        def update_transfer(self, n=1):  # Xet: bytes received, drawn on no bar of their own
+        def update_transfer(self, n=1):  # bytes received (Xet's; plain calls it too): not drawn
             heard[0] = time.monotonic()
 
         def set_transfer_postfix_str(self, postfix, refresh=False):  # (their speed: not shown)
@@ -2175,7 +2182,7 @@ def download_trouble(error, into):
         if isinstance(e, OfflineModeIsEnabled):
             return "offline: HF_HUB_OFFLINE is set"
         if isinstance(e, ConnectionResetError) or type(e).__name__ == "RemoteProtocolError":
-            return "the connection broke before the file was whole"
+            return "the connection broke before the Hub's answer was whole"
         if isinstance(e, (ConnectionError, socket.gaierror)):  # refused, no route, no such host
             return f"the Hub could not be reached at {constants.ENDPOINT}"
         if isinstance(e, TimeoutError):

@@ -423,7 +423,7 @@ def test_a_connection_that_breaks_mid_file(plain_hub, fresh_clone, fault):
     getattr(hub, fault)["model.safetensors"] = (300_000, 99) if fault == "reset" else 300_000
     r = run(fresh_clone, hub)
     assert_error(r, "could not download model.safetensors of Qwen/Qwen3-0.6B: the connection broke "
-                 "before the file was whole. To fetch it by hand")
+                 "before the Hub's answer was whole. To fetch it by hand")
     if fault == "reset":
         assert [line for line in r.stderr.splitlines() if "trying again" in line] == \
             [tried_again(n) for n in range(2, 6)]

@@ -230,6 +230,20 @@ def test_explain_shows_the_experts_at_work(qwen3_moe, tokenizer):
         assert 1 <= used <= 8 and len(shares) == min(3, used) and sum(shares) <= 100
 
 
+def test_the_experts_view_keeps_to_80_columns_with_more_picks(monkeypatch):
+    """Qwen3.5-397B-A17B's 10 of 512 experts a token: a block's picks go on under it, in order,
+    no line over 80 columns."""
+    monkeypatch.setattr(li, "MOE", {"num_experts_per_tok": 10, "num_experts": 512})
+    chosen = mx.array([[500 + i for i in range(10)]] * 3)
+    weights = mx.array([[0.19, 0.17, 0.15, 0.12, 0.1, 0.08, 0.07, 0.06, 0.04, 0.02]] * 3)
+    lines = li.experts_at_work([(59, chosen, weights)], 0, range(0, 3))
+    assert all(len(line) <= 80 for line in lines), lines
+    picks = " ".join(f"#{500 + i}:{w}%" for i, w in enumerate([19, 17, 15, 12, 10, 8, 7, 6, 4, 2]))
+    at = next(i for i, line in enumerate(lines) if line.startswith("block 60 "))
+    assert lines[at + 1].startswith(" " * 9) and \
+        " ".join(" ".join(lines[at:at + 2]).split()[2:]) == picks, lines
+
+
 def test_load_holds_the_model_once(qwen3_moe, tmp_path):
     """Stacking the experts a block at a time: the peak while loading stays within the model's
     bytes and a block's experts twice (its tensors, then their stack), not two models; the model's
@@ -269,7 +283,7 @@ def test_a_config_that_changes_the_math_is_one_line(qwen3_moe, tmp_path, change,
     assert_error(run_cli("--model", str(folder), "-m", "2"), words)
 
 
-@pytest.mark.parametrize("fault", ["missing", "misshapen", "router bias"])
+@pytest.mark.parametrize("fault", ["missing", "misshapen", "router bias", "switch_mlp"])
 def test_a_missing_or_misshapen_expert_tensor_is_named(qwen3_moe, tmp_path, fault):
     folder = Path(shutil.copytree(qwen3_moe(), tmp_path / "m"))
     weights = mx.load(str(folder / "model.safetensors"))
@@ -278,14 +292,22 @@ def test_a_missing_or_misshapen_expert_tensor_is_named(qwen3_moe, tmp_path, faul
         del weights[name]
     elif fault == "misshapen":
         weights[name] = weights[name][:-1]
-    else:
+    elif fault == "router bias":
         weights["model.layers.1.mlp.gate.bias"] = mx.zeros(8)
+    else:  # block 1 in MLX's layout (switch_mlp.*, stacked), its down_proj left out
+        for m in ("gate", "up", "down"):
+            stacked = mx.stack([weights.pop(f"model.layers.1.mlp.experts.{n}.{m}_proj.weight")
+                                for n in range(8)])
+            if m != "down":
+                weights[f"model.layers.1.mlp.switch_mlp.{m}_proj.weight"] = stacked
     from test_cli_errors import save_weights
     save_weights(folder / "model.safetensors", weights, metadata={"format": "pt"})
     r = run_cli("--model", str(folder), "-m", "2")
     words = {"missing": f"tensor {name} is missing in {folder}; expected shape (32, 64)",
              "misshapen": f"tensor {name} has shape (31, 64) in {folder}; expected shape (32, 64)",
-             "router bias": "tensor model.layers.1.mlp.gate.bias in "}[fault]
+             "router bias": "tensor model.layers.1.mlp.gate.bias in ",
+             "switch_mlp": f"tensor model.layers.1.mlp.switch_mlp.down_proj.weight is missing in "
+                           f"{folder}"}[fault]
     assert_error(r, words)
     if fault == "router bias":
         assert "this script does not run a router bias" in r.stderr

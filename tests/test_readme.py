@@ -50,7 +50,7 @@ def statistics_labels(text):
 
 
 def test_the_readme_sample_run_shows_every_statistics_line(checkpoint):
-    """The sample run under "This script prints a summary" shows every statistics line a run
+    """The sample run under "What a good run prints" shows every statistics line a run
     prints, in its order: the labels of a run on the tiny checkpoint are the README's."""
     from test_cli_errors import run_cli
     r = run_cli("--model", str(checkpoint()), "-m", "3")
@@ -58,7 +58,7 @@ def test_the_readme_sample_run_shows_every_statistics_line(checkpoint):
     printed = statistics_labels(r.stdout)
     assert printed[:2] == ["Prompt", "Generation"] and "Bytes per token" in printed
     readme = (ROOT / "README.md").read_text()
-    sample = readme.split("This script prints a summary of the model")[1].split("```\n")[1]
+    sample = readme.split("## What a good run prints")[1].split("```\n")[1]
     assert sample.startswith("Qwen3 from ") and sample.count("==========\n") == 2, sample
     assert statistics_labels(sample) == printed
 

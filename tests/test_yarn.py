@@ -292,10 +292,10 @@ def test_refused_in_one_line(checkpoint, tmp_path, scaling, needles):
 
 
 def test_qwen35_nested_refused_in_one_line(qwen35, tmp_path):
-    """Qwen3.5's entry in text_config.rope_parameters is checked as rope_scaling is."""
+    """Qwen3.5's entry in text_config.rope_parameters is checked as rope_scaling is, and named."""
     folder = with_yarn(qwen35(), tmp_path / "yarn", {"rope_type": "yarn", "factor": 4.0})
     assert_error(run_cli("--model", str(folder), "--max-tokens", "1"), "config.json",
-                 "original_max_position_embeddings")
+                 "rope_parameters has no 'original_max_position_embeddings' entry")
 
 
 # ─── 5. Part I's load() does not ignore it ───
