@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from conftest import write_checkpoint, write_qwen35
+from test_cli_errors import save_weights
 
 # Qwen3-30B-A3B: 128 experts, 8 per token, moe_intermediate_size 768, all 48 layers MoE.
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
@@ -75,7 +76,7 @@ def _swap_mlps(folder, prefixes, moe):
     for prefix in prefixes:
         for name in ["gate_proj", "up_proj", "down_proj"]:
             del weights[f"{prefix}{name}.weight"]
-    mx.save_safetensors(path, {**weights, **moe}, metadata={"format": "pt"})
+    save_weights(path, {**weights, **moe}, metadata={"format": "pt"})  # (not over what is read)
 
 
 def write_qwen3_moe(folder, tokenizer, dtype="float32", seed=0, **overrides):

@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 
 import llm_inference as li
-from test_cli_errors import HOLD_IN_PREFILL, ROOT, run_cli
+from test_cli_errors import HOLD_IN_PREFILL, ROOT, run_cli, save_weights
 
 
 # Timeouts only bound a hang: a loaded machine may take minutes over a slow checkpoint's prefill.
@@ -224,7 +224,7 @@ def remembering(folder, into):
     weights = mx.load(str(into / "model.safetensors"))
     for name in [name for name in weights if name.endswith("A_log")]:
         weights[name] = mx.full(weights[name].shape, math.log(0.01), mx.float32)
-    mx.save_safetensors(str(into / "model.safetensors"), weights, metadata={"format": "pt"})
+    save_weights(into / "model.safetensors", weights, metadata={"format": "pt"})
     return into
 
 

@@ -498,11 +498,11 @@ def test_broken_link_where_a_file_belongs(broken):
     ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6})])
 def test_a_scaled_rope_other_than_yarn(broken, entry, value):
-    """YaRN runs (tests/test_yarn.py); another scaling of RoPE is refused, the nested form named
-    rope_scaling as transformers reads it."""
+    """YaRN runs (tests/test_yarn.py); another scaling of RoPE is refused, the entry named as the
+    file names it."""
     edit_json(broken / "config.json", lambda cfg: cfg | {entry: value})
     r = run_cli("--model", str(broken), "-m", "3")
-    assert_error(r, f"{broken / 'config.json'}: rope_scaling is {{\"rope_type\": \"{value['rope_type']}\"",
+    assert_error(r, f"{broken / 'config.json'}: {entry} is {{\"rope_type\": \"{value['rope_type']}\"",
                  'this script runs YaRN ("rope_type": "yarn") alone of the scaled RoPEs')
 
 

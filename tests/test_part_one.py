@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 
 import llm_inference as li
+from test_cli_errors import save_weights
 
 PROMPT = "The capital of France is"
 # Runs in a fresh interpreter: Part I's text alone, then the article's calls on it.
@@ -113,7 +114,7 @@ def four_files(checkpoint, tokenizer, tmp_path):
     h = li.rms_norm(blocks[-1][-1], li.W["model.norm.weight"], li.EPS)  # (D,) what lm_head reads
     weights = mx.load(str(folder / "model.safetensors"))
     weights["lm_head.weight"][tokenizer.token_to_id("<|im_end|>")] = 10 * h
-    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    save_weights(folder / "model.safetensors", weights, metadata={"format": "pt"})
     assert sorted(f.name for f in folder.iterdir()) == ["config.json", "model.safetensors",
                                                         "tokenizer.json", "tokenizer_config.json"]
     return folder

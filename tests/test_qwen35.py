@@ -297,7 +297,7 @@ def test_chat_prompt_thinks_as_the_template_or_the_flag_says(qwen35, monkeypatch
      "partial_rotary_factor must be a fraction (0 to 1) of head_dim that is even"),  # 0 dimensions
     ({"mtp_num_hidden_layers": 2}, "mtp_num_hidden_layers must be 0 or 1"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0,
-                                          "partial_rotary_factor": 0.25}}, "rope_scaling"),
+                                          "partial_rotary_factor": 0.25}}, "rope_parameters has no 'original_max_position"),
 ])
 def test_config_errors(qwen35, tmp_path, change, needle):
     folder = Path(shutil.copytree(qwen35(), tmp_path / "model"))
