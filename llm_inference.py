@@ -1876,9 +1876,9 @@ def stack_experts(weights, cfg, folder):
     """Each mixture's experts, stacked in weights as Qwen3.5-MoE's release holds them:
     experts.gate_up_proj (E, 2I, D), gate's rows first, and experts.down_proj (E, D, I), a
     .scales and .biases beside each if quantised. Stacked here: Qwen3-MoE's one tensor an expert
-    (each named if missing or misshapen), and MLX's switch_mlp.* (gate and up apart, one missing
-    named); a block at
-    a time, evaluated before the next, so that the model is never held twice."""
+    (each named if missing or misshapen), and MLX's switch_mlp.* (gate and up apart; one of the
+    three missing, named); a block at a time, evaluated before the next, so that the model is
+    never held twice."""
     e, i, d = cfg["moe"]["num_experts"], cfg["moe"]["moe_intermediate_size"], cfg["hidden_size"]
     for p in sorted({name.split("mlp.")[0] + "mlp." for name in weights if "mlp.experts." in name
                      or "mlp.switch_mlp." in name}):
