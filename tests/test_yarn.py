@@ -25,8 +25,6 @@ import pytest
 from mlx_lm.models.rope_utils import initialize_rope
 
 import llm_inference as li
-from conftest import once_per_options
-from moe_checkpoints import write_qwen3_5_moe, write_qwen3_moe
 from test_cli_errors import assert_error, run_cli
 from test_model import TEXT, mlx_lm_logits, ours_logits, rel_err
 
@@ -67,25 +65,15 @@ def with_yarn(folder, dest, yarn=YARN, **entries):
     return dest
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory, tokenizer):
-    return once_per_options(tmp_path_factory, tokenizer, write_qwen3_moe, "qwen3_moe")
-
-
-@pytest.fixture(scope="module")
-def qwen3_5_moe(tmp_path_factory, tokenizer):
-    return once_per_options(tmp_path_factory, tokenizer, write_qwen3_5_moe, "qwen3_5_moe")
-
-
 @pytest.fixture
-def model(checkpoint, qwen35, qwen3_moe, qwen3_5_moe):
+def model(checkpoint, qwen35, qwen3_moe, qwen35_moe):
     """model(kind) -> (the plain folder, its transformers class name, the prompt's length)."""
     def make(kind):
         return {"dense-flat": (checkpoint(), "Qwen3ForCausalLM", 100),
                 "dense-nested": (checkpoint(rope="nested"), "Qwen3ForCausalLM", 100),
                 "qwen3_moe": (qwen3_moe(), "Qwen3MoeForCausalLM", 100),
                 "qwen3_5": (qwen35(), "Qwen3_5ForConditionalGeneration", 60),
-                "qwen3_5_moe": (qwen3_5_moe(), "Qwen3_5MoeForConditionalGeneration", 60)}[kind]
+                "qwen3_5_moe": (qwen35_moe(), "Qwen3_5MoeForConditionalGeneration", 60)}[kind]
     return make
 
 
