@@ -1895,12 +1895,8 @@ def stack_experts(weights, cfg, folder):
                 weights[p + "experts.down_proj" + part] = down
         if p + "experts.0.gate_proj.weight" in weights:  # Hugging Face's Qwen3-MoE: one each
             each = {"gate": (i, d), "up": (i, d), "down": (d, i)}
-            for n, (m, shape) in [(n, item) for n in range(e) for item in each.items()]:
-                name = f"{p}experts.{n}.{m}_proj.weight"
-                if weights.get(name) is None or weights[name].shape != shape:
-                    found = "is missing" if weights.get(name) is None else \
-                        f"has shape {weights[name].shape}"
-                    raise UserError(f"tensor {name} {found} in {folder}; expected shape {shape}")
+            checked_shapes(weights, {f"{p}experts.{n}.{m}_proj.weight": shape for n in range(e)
+                                     for m, shape in each.items()}, folder)  # each, or named
             stacked = {m: mx.stack([weights.pop(f"{p}experts.{n}.{m}_proj.weight")
                                     for n in range(e)]) for m in each}  # (E, rows, columns)
             weights[p + "experts.gate_up_proj"] = mx.concatenate([stacked["gate"],
