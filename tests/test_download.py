@@ -259,8 +259,9 @@ def test_xet_at_a_terminal_a_bar_never_shows_whole_a_file_that_did_not_come(xet_
 def test_ctrl_c_during_the_download(hub, fresh_clone):
     """Ctrl-C while the weights arrive: exit status 130 at once, one line that names the file and
     what a rerun does (the file's line before it); no file under a final name, no partial file left
-    (huggingface_hub removes its own); the next run fetches that file again, from the start."""
-    hub.slow["model.safetensors"] = 3.0
+    (huggingface_hub removes its own); the next run fetches that file again, from the start.
+    At once: the file takes a minute to come, the process ends within communicate()'s bound."""
+    hub.slow["model.safetensors"] = 60.0
     p = subprocess.Popen([sys.executable, str(fresh_clone / "llm_inference.py"), "-m", "3"],
                          env=environment(hub, fresh_clone / "hf"), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
@@ -269,11 +270,10 @@ def test_ctrl_c_during_the_download(hub, fresh_clone):
         assert time.time() < deadline and p.poll() is None
         time.sleep(0.05)
     time.sleep(0.5)  # the weights are arriving
-    tic = time.time()
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=30)
     err = err.decode()
-    assert p.returncode == 130 and time.time() - tic < 2, err
+    assert p.returncode == 130, err
     assert "Traceback" not in err and out == b""
     assert err.strip().splitlines()[-1] == (
         "error: the download was interrupted during model.safetensors; run the same command "
@@ -321,7 +321,7 @@ socket.getaddrinfo = refuse
 
 
 def test_no_network_shows_itself_and_the_hand_command(xet_hub, fresh_clone):
-    """No network (every name lookup fails inside the process): within seconds a line shows what
+    """No network (every name lookup fails inside the process): before any wait a line shows what
     is tried, each retry of huggingface_hub's too; the last line says the Hub could not be reached
     and prints the command that downloads the files by hand into the folder the script reads;
     run as printed (the Hub up, its weights on Xet storage), it does, and the script then runs
@@ -329,11 +329,10 @@ def test_no_network_shows_itself_and_the_hand_command(xet_hub, fresh_clone):
     huggingface_hub's retries again.)"""
     hub = xet_hub
     env = environment(hub, fresh_clone / "hf", NO_LOOKUP, HF_ENDPOINT="https://huggingface.co")
-    tic = time.time()
     p = subprocess.Popen([sys.executable, str(fresh_clone / "llm_inference.py"), "-m", "3"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = p.stderr.readline().decode()
-    assert time.time() - tic < 5 and "huggingface.co" in first, first  # not silent
+    assert "huggingface.co" in first and "Retry" not in first, first  # not silent: before any wait
     out, err = p.communicate(timeout=120)
     r = subprocess.CompletedProcess(p.args, p.returncode, out.decode(), first + err.decode())
     assert r.stderr.count("Retry ") >= 3, r.stderr  # each retry shows
