@@ -1,19 +1,25 @@
 """Qwen3 from scratch beside "Inside an LLM: Pure Python Inference for Qwen3-0.6B on MLX".
-Part I    the article's script: constants, load(), Steps 1-9 through generate(). It runs alone.
+Part I    the article's script: constants, load(), Steps 1-9 through generate(), then the
+          article's run. Copied out alone (up to Part II's banner), it runs as the article's does.
 Part II   what the article leaves out, the model side: quantised weights, Qwen3.5's hybrid
           attention, multi-token prediction, batching, several machines, mixtures of experts,
           long context by YaRN.
 Part III  See inside: the views that teach (--explain), each callable from a notebook.
 Part IV   the program, read top-down from main(): the command line, an answer, a batch, chat,
           loading and its checks, the download, several processes."""
-import json, math  # noqa: E401
+import json, math, time  # noqa: E401
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 from tokenizers import Tokenizer
 
 # ═══ Part I — the article's script. Its constants hold Qwen3-0.6B's values until load() ═══
+# Names from later parts, each on a branch that dense Qwen3 in one process never takes (leave
+# them out of a copy): load_checked (load: other models), quantized_linear and SPLIT (linear),
+# embed_quantized (embed), yarn (rope_tables), qwen35_attention and attention_rows (attention),
+# moe (ffn).
 W = {}           # Hugging Face tensor name -> array, e.g. W["model.norm.weight"] (1024,)
 TOK = None       # tokenizers.Tokenizer from tokenizer.json: text <-> token ids
 D = 1024         # hidden_size: width of the residual stream
@@ -48,8 +54,9 @@ def as_list(ids):  # an EOS entry: an id, a list of them, or null
     return ids if isinstance(ids, list) else [ids]
 
 def load(model_dir, dtype=None):
-    """Qwen3: config.json, the weights (mx.load) and tokenizer.json, unchecked; dtype: compute in
-    it, not the weights' own. load_checked() (Part IV) checks every file and entry first."""
+    """Qwen3's config.json, weights (mx.load) and tokenizer.json, unchecked (the article shows no
+    loader: this is one); dtype: compute in it, not the weights' own. Other models, and the
+    command line, go through load_checked() (Part IV), which checks every file and entry first."""
     folder = Path(model_dir)
     cfg = json.loads((folder / "config.json").read_text())
     nested = cfg.get("rope_parameters", {})  # transformers 5 writes rope_theta (and scaling) here
@@ -134,12 +141,24 @@ def apply_rope(x, cos, signed_sin):
     return turned.reshape(x.shape)                                    # (L, heads, 128)
 
 # ═══ Step 5. Grouped-query attention — every token asks, earlier ones answer; 2 askers share ═══
-def attention(x, layer_idx, cache, start, rope, visible):
-    """x: (L, D) at positions start.. -> (L, D). rope: RoPE's tables; visible: (L, S) keys seen."""
+class Pass(NamedTuple):
+    """The article's positions, with what every block of a pass computes from them once."""
+    start: object         # the first token's position, an int (a batch's rows: None, each its own)
+    positions: mx.array   # (L,) each token's
+    rope: tuple           # Step 4's cos and signed_sin at them, (L, 1, 2, 64) each
+    visible: mx.array     # (L, S) the keys each token sees: those at its position or before
+
+def attention(x, layer_idx, cache, at):
+    """x: (L, D) at at.positions -> (L, D): the article's attention(x, layer_idx, cache, positions)
+    with at (a Pass) for positions."""
+    if MODEL == "qwen3_5":  # Qwen3.5's hybrid layers: Part II
+        return qwen35_attention(x, layer_idx, cache, at)
+    if at.start is None:  # a batch's rows, each at its own positions: Part II
+        return attention_rows(x, layer_idx, cache, at)
     p = f"model.layers.{layer_idx}.self_attn."
-    q, k, v = queries_keys_values(x, p, rope)                         # (L, 16, 128), (L, 8, 128)
-    keys, values = cache_write(cache, layer_idx, k, v, start)         # (8, S, 128) each
-    out = attend(q, keys, values, visible)                            # (L, 2048) heads merged
+    q, k, v = queries_keys_values(x, p, at.rope)                      # (L, 16, 128), (L, 8, 128)
+    keys, values = cache_write(cache, layer_idx, k, v, at.start)      # (8, S, 128) each
+    out = attend(q, keys, values, at.visible)                         # (L, 2048) heads merged
     return linear(out, p + "o_proj")                                  # (L, 1024)
 
 def queries_keys_values(x, p, rope):
@@ -158,14 +177,14 @@ def queries_keys_values(x, p, rope):
 def cache_write(cache, layer_idx, k, v, start):
     """k, v (L, KV, hd) -> this layer's keys and values so far, (KV, S, hd); None: none yet. The
     article makes new K and V arrays each call (concatenate); here they go into buffers."""
-    end = start + k.shape[0]
+    end = start + k.shape[0]                                          # S: positions held after
     keys, values = cache[layer_idx] or (mx.zeros((k.shape[1], 0, k.shape[2]), k.dtype),) * 2
     if keys.shape[1] < end:                           # full: up to end, rounded up to GROW
         more = mx.zeros((k.shape[1], -(-end // GROW) * GROW - keys.shape[1], k.shape[2]), k.dtype)
         keys = mx.concatenate([keys, more], axis=1)                   # (8, S rounded up, 128)
-        values = mx.concatenate([values, more], axis=1)
+        values = mx.concatenate([values, more], axis=1)               # (8, S rounded up, 128)
     keys[:, start:end] = k.transpose(1, 0, 2)                         # positions start..end-1
-    values[:, start:end] = v.transpose(1, 0, 2)
+    values[:, start:end] = v.transpose(1, 0, 2)                       # (8, L, 128) written
     cache[layer_idx] = (keys, values)
     return keys[:, :end], values[:, :end]                             # (8, S, 128), S = end
 
@@ -203,12 +222,11 @@ def ffn(x, layer_idx):
     return linear(swiglu(gate, up), p + "down_proj")                  # (L, 1024)
 
 # ═══ Step 7. The transformer block — normalise, attend, add; normalise, think, add ═══
-def transformer_block(x, layer_idx, cache, where, rope, visible, attention=attention):
-    """x: (L, D) -> (L, D). Pre-norm, a residual around each half. attention: Step 5's, where its
-    start (an int), or Part II's, where what it takes there (a batch's: each token's position)."""
+def transformer_block(x, layer_idx, cache, at):
+    """x: (L, D) at at.positions (a Pass) -> (L, D). Pre-norm, a residual around each half."""
     p = f"model.layers.{layer_idx}."
     h = rms_norm(x, W[p + "input_layernorm.weight"], EPS)             # (L, 1024)
-    out = attention(h, layer_idx, cache, where, rope, visible)        # (L, 1024)
+    out = attention(h, layer_idx, cache, at)                          # (L, 1024)
     x, h = add_rms_norm(x, out, W[p + "post_attention_layernorm.weight"], EPS)  # x + out, h
     x = x + ffn(h, layer_idx)                                         # (L, 1024)
     return x
@@ -229,11 +247,10 @@ def forward(token_ids, cache, start, blocks=None):  # blocks: a list, given x af
     x = embed(token_ids)                                              # (L, 1024)
     end = start + x.shape[0]                                          # S: positions after this call
     positions = mx.arange(start, end)                                 # (L,)
-    rope = rope_tables(positions, x.dtype)                            # (L, 1, 2, 64) each
     visible = mx.arange(end)[None, :] <= positions[:, None]           # (L, S) key <= query
-    mixer = qwen35_attention if MODEL == "qwen3_5" else attention     # Qwen3.5's layers: Part II
+    at = Pass(start, positions, rope_tables(positions, x.dtype), visible)  # every block's
     for i in range(N_LAYERS):
-        x = transformer_block(x, i, cache, start, rope, visible, mixer)  # (L, 1024)
+        x = transformer_block(x, i, cache, at)                        # (L, 1024)
         if blocks is not None:
             blocks.append(x)
     return lm_head(x)                                                 # (L, 151936)
@@ -268,22 +285,28 @@ def prefill(prompt_ids, cache, start=0, blocks=None, chunk=CHUNK):
         mx.eval(cache)
     return forward([last_id], cache, start + len(earlier), blocks)[-1]  # (vocab,)
 
-def not_finite(where, dtype):  # the weights finite (load_checked() checks): the numbers overflowed
+def not_finite(which, dtype):  # the weights finite (load_checked() checks): the numbers overflowed
     name = str(dtype).split(".")[-1]  # float16, not mlx.core.float16
-    return FloatingPointError(f"the logits {where} are not finite (NaN or inf) in {name}: the "
-                              "activations overflow it; compute in float32")
+    advice = "" if dtype == mx.float32 else "; compute in float32"   # (float32's: no wider here)
+    return FloatingPointError(f"the logits {which} are not finite (NaN or inf) in {name}: the "
+                              f"activations overflow it{advice}")
 
 def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, logits=None):
-    """Yield up to max_tokens ids after prompt_ids, stopping before any EOS id and at the context's
-    end. sampler: sample (greedy), or partial(sample, temperature=...); cache, start: a cache and
-    how much of it to keep; logits: the prompt's, if prefill() ran it in. Then the cache holds
-    the prompt and every id yielded."""
+    """The article's loop: prefill, then decode() -> an iterator of up to max_tokens ids after
+    prompt_ids, stopping before any EOS id and at the context's end. sampler: sample (greedy), or
+    partial(sample, temperature=...); cache, start: a cache and how much of it to keep; logits:
+    the prompt's, if prefill() ran it in. Then the cache holds the prompt and every id given."""
     if isinstance(prompt_ids, str):  # the article's generate() takes text and returns text
         raise TypeError("generate() takes ids: text + TOK.decode(list(generate(tokenize(text))))")
     cache = [None] * N_LAYERS if cache is None else cache
     if logits is None:
         logits = prefill(prompt_ids, cache, start)                    # (vocab,) lazy
-    first, end = start + len(prompt_ids), min(start + len(prompt_ids) + max_tokens, MAX_POS)
+    first = start + len(prompt_ids)                                   # the first id's position
+    return decode(logits, cache, first, min(first + max_tokens, MAX_POS), sampler)
+
+def decode(logits, cache, first, end, sampler):
+    """Yield the ids at positions first..end-1, each sampled from the logits before it (the
+    first's: given), stopping before an EOS id."""
     # The article's loop, as MLX runs it: an mx.* call only records; MLX computes when Python needs
     # a value (.item()) or when asked (mx.async_eval starts the work and returns at once). The step
     # that feeds token n back is queued before n is looked at, so MLX computes n + 1 while Python
@@ -304,6 +327,25 @@ def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, lo
             return
         yield token.item()
         token, finite = upcoming
+
+# ═══ The article's run — Part I alone, run as a script, prints what the article's prints ═══
+def article(folder="Qwen3-0.6B", prompt="The capital of France is"):
+    """The article's script's run: its folder found from where it is started, as the article's
+    is; the time is the answer's (tokenize, generate, decode), after the load."""
+    load(folder)
+    print(f"Model: {Path(folder).name} ({N_LAYERS} layers, {D} dim, {N_HEADS} Q heads, "
+          f"{N_KV} KV heads)")
+    print(f"Prompt: {prompt}\n{'-' * 60}")
+    tic = time.perf_counter()
+    ids = tokenize(prompt)
+    print(f"Output: {TOK.decode(ids + list(generate(ids)))}")
+    print(f"Time: {time.perf_counter() - tic:.2f}s")
+
+# A file run as a script: Part I copied out alone runs the article's; the whole file, main() at
+# its end (Part IV). A notebook's cell (no __file__) only defines.
+if __name__ == "__main__" and "__file__" in globals() and "\ndef main(" not in Path(
+        __file__).read_text(encoding="utf-8"):
+    article()
 
 # ═══ Part II — what the article leaves out, the model side: from quantised weights to experts ═══
 # ═══ Quantised weights — numbers in 2 to 8 bits, a scale and a bias for each group of them ═══
@@ -335,13 +377,20 @@ def deltanet(layer_idx):  # one of Qwen3.5's Gated DeltaNet layers? (layer N, th
     types = QWEN35.get("layer_types", [])                             # one a layer; Qwen3: none
     return layer_idx < len(types) and types[layer_idx] == "linear_attention"
 
-def qwen35_attention(x, layer_idx, cache, start, rope, visible):  # forward()'s, for Qwen3.5
-    # It takes Step 5's arguments, rope too, but turns a quarter of each head with its own tables.
+def qwen35_attention(x, layer_idx, cache, at):
+    """Step 5's attention() for Qwen3.5 (a batch's rows too, at.start None): x (L, D) -> (L, D).
+    at.rope is not read: a quarter of each head is turned, by tables of its own."""
+    if deltanet(layer_idx) and at.start is None:                      # each row its own notes
+        B, L, _ = at.visible.shape
+        return gated_delta_net(x.reshape(B, L, -1), layer_idx, cache).reshape(B * L, -1)
     if deltanet(layer_idx):                                           # 18 of 24
-        return gated_delta_net(x, layer_idx, cache)
-    q, k, v, gate = gated_queries(x, layer_idx, mx.arange(start, start + x.shape[0]))
-    keys, values = cache_write(cache, layer_idx, k, v, start)         # (2, S, 256) each
-    out = attend(q, keys, values, visible)                            # (L, 2048) every 4th
+        return gated_delta_net(x, layer_idx, cache)                   # (L, 1024)
+    q, k, v, gate = gated_queries(x, layer_idx, at.positions)         # (L, 8, 256), (L, 2, 256)
+    if at.start is None:  # a batch's rows
+        out = attend_rows(cache, layer_idx, q, k, v, at.positions, at.visible)  # (B * L, 2048)
+    else:
+        keys, values = cache_write(cache, layer_idx, k, v, at.start)  # (2, S, 256) each
+        out = attend(q, keys, values, at.visible)                     # (L, 2048) every 4th
     return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
 
 def gated_queries(x, layer_idx, positions):
@@ -445,10 +494,10 @@ def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
     e = rms_norm(embed(tokens), W["mtp.pre_fc_norm_embedding.weight"], EPS)  # (L, 1024)
     h = rms_norm(hidden, W["mtp.pre_fc_norm_hidden.weight"], EPS)     # (L, 1024)
     x = linear(mx.concatenate([e, h], axis=-1), "mtp.fc")             # (L, 1024) from (L, 2048)
-    positions = mx.arange(start, start + x.shape[0])                  # h_t's: the draft's is t
+    positions = mx.arange(start, start + x.shape[0])                  # (L,) h_t's: the draft's t
     keys = mx.arange(start + x.shape[0])[None, :]                    # (1, S)
     visible = (keys <= positions[:, None]) & (keys >= first)          # (L, S)
-    x = transformer_block(x, N_LAYERS, mtp_cache, start, None, visible, qwen35_attention)
+    x = transformer_block(x, N_LAYERS, mtp_cache, Pass(start, positions, None, visible))
     return linear(rms_norm(x, W["mtp.norm.weight"], EPS), "lm_head")  # (L, vocab)
 
 def hidden_pass(token_ids, cache, start, last_x=None, chunk=CHUNK):
@@ -617,9 +666,9 @@ def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     keys, values = cache[layer_idx] or (mx.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype),) * 2
     room = -(-S // GROW) * GROW                                       # S up to a multiple of GROW
     keys, values = padded(keys, 2, room), padded(values, 2, room)     # (B, 8, room, 128)
-    where = positions.reshape(B, 1, L, 1)                             # row b's L positions
-    keys = mx.put_along_axis(keys, where, k.swapaxes(1, 2), axis=2)   # (B, 8, room, 128)
-    values = mx.put_along_axis(values, where, v.swapaxes(1, 2), axis=2)
+    slots = positions.reshape(B, 1, L, 1)                             # row b's L positions
+    keys = mx.put_along_axis(keys, slots, k.swapaxes(1, 2), axis=2)   # (B, 8, room, 128)
+    values = mx.put_along_axis(values, slots, v.swapaxes(1, 2), axis=2)  # (B, 8, room, 128)
     cache[layer_idx] = (keys, values)
     out = attend_batch(q, keys[:, :, :S], values[:, :, :S], visible)  # (B, L, H * hd)
     return out.reshape(B * L, -1)
@@ -636,35 +685,27 @@ def attend_batch(q, k, v, visible):
     out = probs @ v[:, :, None]                                       # (B, 8, 2, L, 128)
     return out.reshape(B, H, L, hd).transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, 2048)
 
-def attention_rows(x, layer_idx, cache, positions, rope, visible):
-    """Step 5 on B rows of L tokens each, flattened: x (B * L, D) at positions (B * L,)."""
+def attention_rows(x, layer_idx, cache, at):
+    """Step 5 on B rows of L tokens each, flattened: x (B * L, D) at at.positions (B * L,)."""
     p = f"model.layers.{layer_idx}.self_attn."
-    q, k, v = queries_keys_values(x, p, rope)                         # (B * L, 16, 128), ...
-    return linear(attend_rows(cache, layer_idx, q, k, v, positions, visible), p + "o_proj")
+    q, k, v = queries_keys_values(x, p, at.rope)                      # (B * L, 16, 128), ...
+    out = attend_rows(cache, layer_idx, q, k, v, at.positions, at.visible)  # (B * L, 2048)
+    return linear(out, p + "o_proj")                                  # (B * L, 1024)
 
-def qwen35_attention_rows(x, layer_idx, cache, positions, rope, visible):  # the same for Qwen3.5
-    B, L, _ = visible.shape  # (rope unused, as in qwen35_attention())
-    if deltanet(layer_idx):                                           # each row its own notes
-        return gated_delta_net(x.reshape(B, L, -1), layer_idx, cache).reshape(B * L, -1)
-    q, k, v, gate = gated_queries(x, layer_idx, positions)            # (B * L, 8, 256), ...
-    out = attend_rows(cache, layer_idx, q, k, v, positions, visible)  # (B * L, 2048)
-    return linear(out * mx.sigmoid(gate), f"model.layers.{layer_idx}.self_attn.o_proj")
-
-def forward_rows(token_ids, cache, positions):
-    """token_ids (B, L): L ids of each of B sequences, row b's at positions[b].. of slot b ->
+def forward_rows(token_ids, cache, starts):
+    """token_ids (B, L): L ids of each of B sequences, row b's at starts[b].. of slot b ->
     logits (B, L, vocab): Steps 2-8 on all rows at once (flattened to B * L rows of x)."""
     B, L = token_ids.shape
     x = embed(token_ids.reshape(-1))                                  # (B * L, 1024)
-    each = (mx.array(positions)[:, None] + mx.arange(L)).reshape(-1)  # (B * L,) every token's
-    rope = rope_tables(each, x.dtype)                                 # (B * L, 1, 2, 64)
-    visible = mx.arange(max(positions) + L) <= each.reshape(B, L, 1)  # (B, L, S) its own keys
-    mixer = qwen35_attention_rows if MODEL == "qwen3_5" else attention_rows
+    positions = (mx.array(starts)[:, None] + mx.arange(L)).reshape(-1)  # (B * L,) each token's
+    visible = mx.arange(max(starts) + L) <= positions.reshape(B, L, 1)  # (B, L, S) its own keys
+    at = Pass(None, positions, rope_tables(positions, x.dtype), visible)  # (rope: (B * L, ...))
     for i in range(N_LAYERS):
-        x = transformer_block(x, i, cache, each, rope, visible, mixer)  # (B * L, 1024)
+        x = transformer_block(x, i, cache, at)                        # (B * L, 1024)
     return lm_head(x).reshape(B, L, -1)                               # (B, L, 151936)
 
-def forward_batch(token_ids, cache, positions):  # one id of each row (B,) -> logits (B, vocab)
-    return forward_rows(token_ids[:, None], cache, positions)[:, -1]
+def forward_batch(token_ids, cache, starts):  # one id of each row (B,) -> logits (B, vocab)
+    return forward_rows(token_ids[:, None], cache, starts)[:, -1]
 
 def prefill_rows(prompts):
     """Step 9's prefill() side by side, all but each last id -> a cache, a slot each. Qwen3's
@@ -2319,7 +2360,8 @@ if __name__ == "__main__":
         sys.exit(130)
     except FloatingPointError as e:  # not_finite()'s: the logits overflowed the dtype
         if GROUP is None or GROUP.rank() == 0:  # (every rank's logits are the same: said once)
-            print(f"error: {e} (--dtype float32)", file=sys.stderr, flush=True)
+            flag = " (--dtype float32)" if str(e).endswith("compute in float32") else ""
+            print(f"error: {e}{flag}", file=sys.stderr, flush=True)
         if GROUP is not None:  # the line out before any rank ends (mlx.launch ends the rest)
             barrier(GROUP)
         sys.exit(1)

@@ -275,7 +275,7 @@ def test_a_row_whose_logits_are_not_finite(checkpoint, monkeypatch, call, n_good
     monkeypatch.setattr(li, "forward_batch", poisoned)
     out = [[] for _ in prompts]
     with pytest.raises(FloatingPointError, match=r"^the logits of prompt 2 are not finite \(NaN "
-                       r"or inf\) in float32: the activations overflow it; compute in float32$"):
+                       r"or inf\) in float32: the activations overflow it$"):
         for i, token in li.generate_batch(prompts, max_tokens=8, batch_size=3):
             out[i].append(token)
     assert out[1] == expected[1][:n_good]

@@ -2,6 +2,7 @@
 by itself in a fresh interpreter (as a notebook cell would run it), loads a dense Qwen3 folder and
 produces exactly the tokens the whole file produces through the command line's checked loading."""
 import json
+import re
 import shutil
 import subprocess
 from functools import partial
@@ -149,3 +150,34 @@ def test_attend_is_one_sequences(checkpoint):
     ref = mx.fast.scaled_dot_product_attention(q.transpose(1, 0, 2)[None], k[None], v[None],
                                                scale=hd ** -0.5, mask=visible)  # (1, H, L, hd)
     assert mx.abs(out - ref[0].transpose(1, 0, 2).reshape(L, -1)).max().item() < 1e-5
+
+
+def test_part_one_copied_out_runs_the_articles_script(checkpoint, tmp_path):
+    """Part I alone, saved as llm_inference.py beside a Qwen3-0.6B folder and run as a script from
+    there, prints what the article's run prints: the model's line, the prompt, a rule, the prompt
+    with its completion (the whole file's greedy tokens, 100 at most), the time. The whole file,
+    run the same way, runs main() instead: the article's lines are not its own."""
+    source = open(li.__file__, encoding="utf-8").read()
+    (tmp_path / "llm_inference.py").write_text(source[:source.index("\n# ═══ Part II")] + "\n")
+    shutil.copytree(checkpoint(), tmp_path / "Qwen3-0.6B")
+    out = subprocess.run([sys.executable, "llm_inference.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    li.load_checked(tmp_path / "Qwen3-0.6B")
+    ids = li.tokenize(PROMPT)
+    head = (f"Model: Qwen3-0.6B ({li.N_LAYERS} layers, {li.D} dim, {li.N_HEADS} Q heads, "
+            f"{li.N_KV} KV heads)\nPrompt: {PROMPT}\n{'-' * 60}\nOutput: ")
+    text = li.TOK.decode(ids + list(li.generate(ids)))  # (random weights: any characters)
+    assert out.stdout.startswith(head + text + "\nTime: "), out.stdout[:200]
+    assert re.fullmatch(r"\d+\.\d\ds\n", out.stdout[len(head + text + "\nTime: "):])
+    whole = subprocess.run([sys.executable, li.__file__, "--model", str(tmp_path / "Qwen3-0.6B"),
+                            "-m", "2", "-q"], capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0 and "Model:" not in whole.stdout, whole.stderr
+
+
+def test_generate_refuses_text_at_the_call(checkpoint):
+    """The article's generate() takes text; this one takes ids, and says so when called with text,
+    before anything is iterated."""
+    li.load(checkpoint())
+    with pytest.raises(TypeError, match="generate\\(\\) takes ids"):
+        li.generate(PROMPT)
