@@ -147,6 +147,8 @@ class Pass(NamedTuple):
     positions: mx.array   # (L,) each token's
     rope: tuple           # Step 4's cos and signed_sin at them, (L, 1, 2, 64) each
     visible: mx.array     # (L, S) the keys each token sees: those at its position or before
+    notes: dict = None    # drafting (Part II): {layer: a list given its DeltaNet notes per token}
+    routes: list = None   # --explain (Part III): a list given each mixture's choices
 
 def attention(x, layer_idx, cache, at):
     """x: (L, D) at at.positions -> (L, D): the article's attention(x, layer_idx, cache, positions)
@@ -212,11 +214,11 @@ def masked_scores(scores, visible, sqrt_hd):
 def swiglu(gate, up):  # (L, 3072) each -> silu(gate) * up, where silu(g) = g * sigmoid(g)
     return gate * mx.sigmoid(gate) * up
 
-def ffn(x, layer_idx):
-    """x: (L, D) -> (L, D): down( silu(gate(x)) * up(x) )."""
+def ffn(x, layer_idx, routes=None):
+    """x: (L, D) -> (L, D): down( silu(gate(x)) * up(x) ). routes: Part II's, a mixture's."""
     p = f"model.layers.{layer_idx}.mlp."
     if p + "gate.weight" in W:  # a router: this block's MLP is a mixture of experts (Part II)
-        return moe(x, layer_idx)
+        return moe(x, layer_idx, routes)
     gate = linear(x, p + "gate_proj")                                 # (L, 3072)
     up = linear(x, p + "up_proj")                                     # (L, 3072)
     return linear(swiglu(gate, up), p + "down_proj")                  # (L, 1024)
@@ -228,7 +230,7 @@ def transformer_block(x, layer_idx, cache, at):
     h = rms_norm(x, W[p + "input_layernorm.weight"], EPS)             # (L, 1024)
     out = attention(h, layer_idx, cache, at)                          # (L, 1024)
     x, h = add_rms_norm(x, out, W[p + "post_attention_layernorm.weight"], EPS)  # x + out, h
-    x = x + ffn(h, layer_idx)                                         # (L, 1024)
+    x = x + ffn(h, layer_idx, at.routes)                              # (L, 1024)
     return x
 
 @mx.compile
@@ -242,13 +244,14 @@ def lm_head(x):
     x = rms_norm(x, W["model.norm.weight"], EPS)                      # (L, 1024)
     return linear(x, "lm_head")                                       # (L, 151936) (0.6B: tied)
 
-def forward(token_ids, cache, start, blocks=None):  # blocks: a list, given x after each block
-    """L ids at positions start.. -> logits (L, vocab): Steps 2-8. cache: one tuple per layer."""
+def forward(token_ids, cache, start, blocks=None, notes=None, routes=None):
+    """L ids at positions start.. -> logits (L, vocab): Steps 2-8. cache: one tuple per layer;
+    blocks: a list, given x after each block; notes, routes: Pass's, what Part II records."""
     x = embed(token_ids)                                              # (L, 1024)
     end = start + x.shape[0]                                          # S: positions after this call
     positions = mx.arange(start, end)                                 # (L,)
     visible = mx.arange(end)[None, :] <= positions[:, None]           # (L, S) key <= query
-    at = Pass(start, positions, rope_tables(positions, x.dtype), visible)  # every block's
+    at = Pass(start, positions, rope_tables(positions, x.dtype), visible, notes, routes)
     for i in range(N_LAYERS):
         x = transformer_block(x, i, cache, at)                        # (L, 1024)
         if blocks is not None:
@@ -384,7 +387,7 @@ def qwen35_attention(x, layer_idx, cache, at):
         B, L, _ = at.visible.shape
         return gated_delta_net(x.reshape(B, L, -1), layer_idx, cache).reshape(B * L, -1)
     if deltanet(layer_idx):                                           # 18 of 24
-        return gated_delta_net(x, layer_idx, cache)                   # (L, 1024)
+        return gated_delta_net(x, layer_idx, cache, at.notes)         # (L, 1024)
     q, k, v, gate = gated_queries(x, layer_idx, at.positions)         # (L, 8, 256), (L, 2, 256)
     if at.start is None:  # a batch's rows
         out = attend_rows(cache, layer_idx, q, k, v, at.positions, at.visible)  # (B * L, 2048)
@@ -414,11 +417,12 @@ def l2_norm(x, eps=1e-6):  # x (..., n) -> x / |x| along the last axis, length 1
     x32 = x.astype(mx.float32)
     return x32 * mx.rsqrt(mx.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
-def gated_delta_net(x, layer_idx, cache):
+def gated_delta_net(x, layer_idx, cache, notes=None):
     """x: (L, D) (a batch's: (B, L, D)) -> the same: the article's "compressed notes". In place of
     keys and values that grow with every token, each value head keeps one fixed-size matrix, its
     state S (dk, dv), storing values under keys. Each token: forget a little (S *= decay), recall
-    what S holds for its key (k S), move that towards its value (S += k^T beta (v - k S)), read."""
+    what S holds for its key (k S), move that towards its value (S += k^T beta (v - k S)), read.
+    notes: delta_memory()'s."""
     p, lead = f"model.layers.{layer_idx}.linear_attn.", x.shape[:-1]  # (L,), or (B, L)
     hv, dv = len(W[p + "A_log"]), QWEN35["linear_value_head_dim"]     # 16 (N processes: 16 / N)
     qkv = linear(x, p + "in_proj_qkv")                                # (L, 6144) q, k, v
@@ -429,16 +433,16 @@ def gated_delta_net(x, layer_idx, cache):
     # decay: how much of S each token keeps, in 0..1 per head; a larger step forgets more, at a
     # rate A = exp(A_log) that each head learned.
     decay = mx.exp(-mx.exp(W[p + "A_log"]) * step)                    # (L, 16)
-    y = delta_memory(cache, layer_idx, qkv, beta, decay)              # (L, 16, 128) float32
+    y = delta_memory(cache, layer_idx, qkv, beta, decay, notes)       # (L, 16, 128) float32
     y = rms_norm(y.astype(x.dtype), W[p + "norm.weight"], EPS)        # (L, 16, 128)
     gate = z.astype(mx.float32)                                       # (L, 16, 128) output gate
     y = y.astype(mx.float32) * (gate * mx.sigmoid(gate))              # (L, 16, 128) y * silu(z)
     return linear(y.astype(x.dtype).reshape(*lead, -1), p + "out_proj")  # (L, 1024)
 
-def delta_memory(cache, layer_idx, qkv, beta, decay):
+def delta_memory(cache, layer_idx, qkv, beta, decay, notes=None):
     """A sequence's L tokens (a batch's: (B, ...) in front) through the short convolution and the
-    delta rule, from and into cache[layer_idx] = (conv_state, state) (None: none yet; a third
-    entry, a list, is given the notes after each token) -> what each reads, (L, 16, 128) f32."""
+    delta rule, from and into cache[layer_idx] = (conv_state, state) (None: none yet) -> what
+    each reads, (L, 16, 128) f32. notes: a dict, given {layer_idx: the notes after each token}."""
     p, L, batch = f"model.layers.{layer_idx}.linear_attn.", qkv.shape[-2], qkv.shape[:-2]  # (B,)
     hv = len(W[p + "A_log"])                                          # 16 (N processes: 16 / N)
     hk = hv * QWEN35["linear_num_key_heads"] // QWEN35["linear_num_value_heads"]     # 16
@@ -447,7 +451,8 @@ def delta_memory(cache, layer_idx, qkv, beta, decay):
     if cache[layer_idx] is None:                                      # nothing remembered yet
         cache[layer_idx] = (mx.zeros((*batch, width - 1, qkv.shape[-1]), qkv.dtype),
                             mx.zeros((*batch, hv, dk, dv)))            # float32, as mx.zeros makes
-    conv_state, state, *snapshots = cache[layer_idx]                  # (3, 6144), (16, 128, 128)
+    conv_state, state = cache[layer_idx]                              # (3, 6144), (16, 128, 128)
+    after_each = None if notes is None else notes.setdefault(layer_idx, [])
     # A short convolution first: each of the 6144 channels becomes a weighted sum of its value at
     # this token and at the 3 before it (4 learned weights a channel), so that q, k and v carry
     # a little of the tokens before. conv_state keeps the last 3 tokens' inputs for the next call.
@@ -466,9 +471,9 @@ def delta_memory(cache, layer_idx, qkv, beta, decay):
         state, y = delta_step(state, q[..., t, :, :], k[..., t, :, :], v[..., t, :, :],
                               decay[..., t, :], beta[..., t, :])      # y: (16, 128)
         out.append(y)
-        if snapshots:  # drafting: the notes as they are after this token
-            snapshots[0].append((window[..., t + 1:t + width, :], state))
-    cache[layer_idx] = (window[..., -(width - 1):, :], state, *snapshots)  # the last 3 inputs, S
+        if after_each is not None:  # drafting: the notes as they are after this token
+            after_each.append((window[..., t + 1:t + width, :], state))
+    cache[layer_idx] = (window[..., -(width - 1):, :], state)          # the last 3 inputs, S
     return mx.stack(out, axis=-3)                                     # (L, 16, 128)
 
 @mx.compile
@@ -554,14 +559,11 @@ class MTPDrafter:
 def verify_pass(ids, cache, pos, sampler):
     """Verify: the model over ids (the next id, K drafts) at pos.., one pass -> its logits, choice
     and hidden state (what the MTP head reads) after each, and each DeltaNet's notes after each id
-    (snapshots: {layer: [notes, ...]}, filled by delta_memory() through the cache entry)."""
-    snapshots = {i: [] for i in range(N_LAYERS) if deltanet(i)}
-    for i, after_each in snapshots.items():
-        cache[i] = (*cache[i], after_each)
-    blocks = []
-    logits = forward(ids, cache, pos, blocks)                         # (1 + K, vocab)
+    (notes: {layer: [its notes after ids[0], ...]}, filled by delta_memory())."""
+    blocks, notes = [], {}
+    logits = forward(ids, cache, pos, blocks, notes)                  # (1 + K, vocab)
     hidden = rms_norm(blocks[-1], W["model.norm.weight"], EPS)        # (1 + K, 1024)
-    return logits, sampler(logits), hidden, snapshots
+    return logits, sampler(logits), hidden, notes
 
 def generate_draft(prompt_ids, max_tokens=100, sampler=sample, drafter=None, cache=None, start=0,
                    hidden=None, counts=None):
@@ -593,12 +595,12 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, drafter=None, cac
         drafts = drafter.draft(history, token, hidden)[:end - pos - 1]  # (K,)
         # Verify: the model over token and the drafts, in one pass.
         ids = mx.concatenate([mx.array([token], mx.uint32), drafts])  # (1 + K,)
-        logits, choices, hidden, snapshots = verify_pass(ids, cache, pos, sampler)
+        logits, choices, hidden, notes = verify_pass(ids, cache, pos, sampler)
         finite = mx.isfinite(logits).all(axis=-1).tolist()            # (1 + K,) each row's
         drafts, choices = drafts.tolist(), choices.tolist()
         # Accept: the drafts the model chose too, up to the first it did not (or an EOS). Each
         # id is yielded with the cache as generate() leaves it, wherever the caller stops: each
-        # DeltaNet at its notes after that id (the list detached), a KV cache's later positions
+        # DeltaNet at its notes after that id, a KV cache's later positions
         # written over before anything reads them.
         n = 0
         while n < len(drafts) and choices[n] == drafts[n] and drafts[n] not in EOS_IDS:
@@ -610,7 +612,7 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, drafter=None, cac
         for j, emitted in enumerate([token] + drafts[:n]):  # drafts[j - 1]: row j - 1's choice
             if j and not finite[j - 1]:
                 raise not_finite(f"at position {pos + j}", logits.dtype)
-            for i, after_each in snapshots.items():
+            for i, after_each in notes.items():
                 cache[i] = after_each[j]
             yield emitted
         pos, token, logits, finite = pos + n + 1, choices[n], logits[n], finite[n]
@@ -815,22 +817,21 @@ def shard(name, w, group, qwen35):
 # is fast on a Mac), but from 8 scattered places a block. Qwen3.5's add a shared expert, which
 # every token goes through, its output gated. The experts are held stacked, (E, rows, columns),
 # and MLX's gather products run each token's k of them in one call a projection.
-ROUTED = None  # a list to give each MoE block's choices to (--explain's view); None: none kept
-
-def moe(x, layer_idx):
+def moe(x, layer_idx, routes=None):
     """x: (L, D) -> (L, D). The router's probabilities over the E experts (a softmax, in float32),
     each token's k likeliest (renormalised to sum to 1 when norm_topk_prob), those experts'
     SwiGLU of the token, weighted and added; Qwen3.5's shared expert added through its sigmoid
     gate. As a loop (tests/test_moe.py holds the two equal): for each token t and each of its k
-    experts e, y[t] += weight[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t]))."""
+    experts e, y[t] += weight[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t])). routes: a list,
+    given (layer_idx, the choices (L, k), their weights (L, k))."""
     p, k = f"model.layers.{layer_idx}.mlp.", MOE["num_experts_per_tok"]
     probs = mx.softmax(linear(x, p + "gate").astype(mx.float32), axis=-1)  # (L, 128) router
     chosen = mx.argpartition(probs, -k, axis=-1)[:, -k:]              # (L, 8) its 8 likeliest
     weights = mx.take_along_axis(probs, chosen, axis=-1)              # (L, 8)
     if MOE["norm_topk_prob"]:
         weights = weights / weights.sum(axis=-1, keepdims=True)       # (L, 8) summing to 1
-    if ROUTED is not None:
-        ROUTED.append((layer_idx, chosen, weights))
+    if routes is not None:  # --explain's view of the experts at work
+        routes.append((layer_idx, chosen, weights))
     out = experts(x, chosen, p + "experts.")                          # (L, 8, 2048)
     y = (out * weights[..., None].astype(out.dtype)).sum(axis=-2)     # (L, 2048)
     if p + "shared_expert_gate.weight" in W:  # Qwen3.5's: every token's, gated
@@ -977,7 +978,6 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False, 
     positions' ids and cache, and one block's logits for a chunk of them at a time. progress: a
     line on stderr at a terminal, taken away on every way out. routes: a list, given what each
     mixture of experts chose at every position (moe()'s (block, chosen, weights), a chunk's)."""
-    global ROUTED
     first = len(token_ids) - len(written)                             # the first column's place
     if first < 0:
         raise ValueError(f"{len(written)} ids written after {len(token_ids)} positions")
@@ -987,11 +987,10 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False, 
            for i, c in enumerate(cache)]
     kept = [[(mx.zeros(0, mx.uint32), mx.zeros(0), mx.zeros(0))] for _ in range(N_LAYERS)]
     progress, line = progress and sys.stderr.isatty(), ""  # line: the progress line shown
-    outer, ROUTED = ROUTED, routes  # (moe() records into routes, until the pass ends)
     try:
         for i in range(0, len(token_ids), chunk):
             ids, blocks = token_ids[i:i + chunk], []
-            forward(ids, own, start + i, blocks)                      # its logits never computed
+            forward(ids, own, start + i, blocks, routes=routes)       # its logits never computed
             at = max(first - i, 0)                                    # the chunk's first column
             if at < len(ids):  # columns in this chunk
                 wrote = mx.array(written[i + at - first:i + len(ids) - first])  # (C,)
@@ -1011,7 +1010,6 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False, 
                         print(f"\r{line}", end="", file=sys.stderr, flush=True)
             mx.eval(own, routes or [])
     finally:  # the line blanked (spaces: a dumb terminal has no codes to clear it)
-        ROUTED = outer
         print(f"\r{' ' * len(line)}\r" if line else "", end="", file=sys.stderr, flush=True)
     return [mx.stack([mx.concatenate([c[k] for c in block_kept]) for block_kept in kept])
             for k in range(3)]

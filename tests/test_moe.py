@@ -212,11 +212,7 @@ def test_explain_shows_the_experts_at_work(qwen3_moe, tokenizer):
     li.load_checked(folder)
     ids = tokenizer.encode("The capital of France is").ids
     routes = []
-    li.ROUTED = routes
-    try:
-        li.forward(ids, [None] * li.N_LAYERS, 0)
-    finally:
-        li.ROUTED = None
+    li.forward(ids, [None] * li.N_LAYERS, 0, routes=routes)
     for b, chosen, weights in routes:
         order = mx.argsort(-weights[-1]).tolist()
         shown = " ".join(f"#{chosen[-1, j].item()}:{100 * weights[-1, j].item():.0f}%" for j in order)
@@ -333,3 +329,44 @@ def test_a_bfloat16_mixture_runs_on_this_device(qwen3_moe, tokenizer):
     assert rel_err(ours, mlx_lm_logits(folder, ids, mx.float32)) < 0.05
     r = run_cli("--model", str(folder), "-m", "4")
     assert r.returncode == 0 and "Qwen3-MoE from" in r.stdout, r.stderr
+
+
+def test_the_router_softmax_is_float32_on_a_bfloat16_checkpoint(qwen3_moe):
+    """bfloat16 activations, the router's logits bfloat16: its probabilities are still taken in
+    float32, so each token's k weights are the float32 softmax's (renormalised), to float32's
+    roundings (~1e-7), not bfloat16's (~4e-3, 2^-8 of a weight near 1). The reference here: the
+    same logits, cast, then softmax, top k and renormalisation, all float32."""
+    li.load_checked(qwen3_moe(dtype="bfloat16"))
+    x = mx.random.normal((40, li.D), key=mx.random.key(1)).astype(mx.bfloat16)
+    routes = []
+    for layer in li.MOE["layers"]:
+        li.moe(x, layer, routes)
+    assert [b for b, _, _ in routes] == li.MOE["layers"]
+    k = li.MOE["num_experts_per_tok"]
+    for layer, chosen, weights in routes:
+        logits = x @ li.W[f"model.layers.{layer}.mlp.gate.weight"].T     # (L, E) bfloat16
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)           # the reference's float32
+        top = mx.sort(probs, axis=-1)[:, -k:]
+        ref = top / top.sum(axis=-1, keepdims=True)
+        assert weights.dtype == mx.float32, weights.dtype
+        ours = mx.sort(weights.astype(mx.float32), axis=-1)
+        err = mx.abs(ours - ref).max().item()
+        assert err < 1e-5, f"layer {layer}: router weights {err:.1e} off float32's"
+        assert mx.array_equal(mx.sort(chosen, axis=-1), mx.sort(mx.argsort(probs, axis=-1)[:, -k:],
+                                                                   axis=-1)).item(), layer
+
+
+def test_experts_stack_in_numeric_order_past_ten(qwen3_moe, tokenizer):
+    """12 experts, one tensor each as Hugging Face's Qwen3-MoE holds them: "experts.10" sorts
+    before "experts.2" as text, so the stack must follow the numbers. moe() equals the loop that
+    reads each expert by its own name (no stacking), and the logits mlx-lm's (its sanitize
+    stacks them itself)."""
+    folder = qwen3_moe(num_experts=12)
+    li.load_checked(folder)
+    assert li.W["model.layers.0.mlp.experts.down_proj"].shape[0] == 12
+    x = mx.random.normal((40, li.D), key=mx.random.key(12))
+    for layer in li.MOE["layers"]:
+        ours, loop = li.moe(x, layer), experts_loop(x, layer, folder)
+        assert mx.abs(ours - loop).max().item() < 1e-5 * max(1, mx.abs(loop).max().item()), layer
+    ids = tokenizer.encode(TEXT).ids
+    assert rel_err(li.forward(ids, [None] * li.N_LAYERS, 0), mlx_lm_logits(folder, ids)) < 1e-4

@@ -529,3 +529,27 @@ def test_a_mixture_under_two_processes_is_one_processs(qwen3_moe, qwen35_moe, tm
     import llm_inference as li
     li.load_checked(folder)
     assert f"All-sums: {2 * li.N_LAYERS} a pass (2 a block)" in r.stdout, shown(r)
+
+
+def test_all_sum_seconds_is_the_best_of_its_tries(monkeypatch):
+    """all_sum_seconds() says the fastest try, not their mean: a busy machine delays some tries
+    by far more than the sums take. No race with the clock: the timer is a counter that each
+    all-sum moves on by a known step, so the tries take 0.75, 0.25, 1 and 0.5 "seconds" (2 sums
+    each; dyadic steps, so the sums are exact) and the answer is 0.25 (their mean: 0.625). The
+    sums themselves run, over a one-process group."""
+    import types
+    import itertools
+    import llm_inference as li
+    monkeypatch.setattr(li, "GROUP", mx.distributed.init())  # a group of one: this process
+    now, steps = [0.0], itertools.cycle([0.375, 0.375, 0.125, 0.125, 0.5, 0.5, 0.25, 0.25])
+    real = mx.distributed.all_sum
+
+    def all_sum(x, group=None):
+        assert group is li.GROUP
+        now[0] += next(steps)
+        return real(x, group=group)
+
+    monkeypatch.setattr(li.mx.distributed, "all_sum", all_sum)
+    monkeypatch.setattr(li, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    assert li.all_sum_seconds(2, mx.ones((1, 4)), tries=4) == 0.25
+    assert now[0] == 2.5  # 4 tries of 2 sums each, timed once each
