@@ -361,9 +361,9 @@ def dequantize(packed, scales, biases, bits):
     stream = stream.astype(mx.uint32)                                 # (..., n * bits / 8 + 1)
     first_bit = mx.arange(n) * bits                                   # (n,) where q_i's bits start
     pair = stream[..., first_bit // 8] | stream[..., first_bit // 8 + 1] << 8  # (..., n) 2 bytes
-    q = (pair >> (first_bit % 8)) & (2 ** bits - 1)                   # (..., n) q_i
-    q = q.reshape(*q.shape[:-1], scales.shape[-1], -1)                # (..., n_groups, group_size)
-    w = scales[..., None] * q.astype(mx.float32) + biases[..., None]  # (..., n_groups, size) f32
+    ints = (pair >> (first_bit % 8)) & (2 ** bits - 1)                # (..., n) q_i
+    ints = ints.reshape(*ints.shape[:-1], scales.shape[-1], -1)       # (..., n_groups, group_size)
+    w = scales[..., None] * ints.astype(mx.float32) + biases[..., None]  # (..., n_groups, size) f32
     return w.astype(scales.dtype).reshape(*w.shape[:-2], n)           # (..., n)
 
 def quantized_linear(x, name):  # x @ dequantize(W[name]).T, never writing the unpacked matrix
@@ -429,10 +429,10 @@ def gated_delta_net(x, layer_idx, cache, notes=None):
     z = linear(x, p + "in_proj_z").reshape(*lead, hv, dv)             # (L, 16, 128) output gate
     beta = mx.sigmoid(linear(x, p + "in_proj_b"))                     # (L, 16) write strength 0..1
     a = linear(x, p + "in_proj_a") + W[p + "dt_bias"]                 # (L, 16)
-    step = mx.logaddexp(a, 0)                                         # softplus: log(1 + e^a) > 0
+    dt = mx.logaddexp(a, 0)                                           # softplus: log(1 + e^a) > 0
     # decay: how much of S each token keeps, in 0..1 per head; a larger step forgets more, at a
     # rate A = exp(A_log) that each head learned.
-    decay = mx.exp(-mx.exp(W[p + "A_log"]) * step)                    # (L, 16)
+    decay = mx.exp(-mx.exp(W[p + "A_log"]) * dt)                      # (L, 16)
     y = delta_memory(cache, layer_idx, qkv, beta, decay, notes)       # (L, 16, 128) float32
     y = rms_norm(y.astype(x.dtype), W[p + "norm.weight"], EPS)        # (L, 16, 128)
     gate = z.astype(mx.float32)                                       # (L, 16, 128) output gate
@@ -491,17 +491,17 @@ def delta_step(state, q, k, v, decay, beta):
 # model check them in one pass over [next, drafts]: each draft it also chooses, in turn, stands.
 # Every token emitted is the model's own choice (mlx-lm's rule): greedy, generate()'s (bit for bit
 # in float32); sampled, its distribution. The article's "a little quality" is not lost here.
-def mtp_logits(tokens, hidden, mtp_cache, start, first=0):
+def mtp_logits(tokens, hidden, mtp_cache, start, oldest=0):
     """Qwen3.5's MTP head: ids x_{t+1} (L,) and the model's last hidden states h_t (L, D), after
     its final norm, at positions start.. -> logits (L, vocab) for x_{t+2}. Its layer is one of
     Qwen3.5's full-attention layers (read as layer N_LAYERS) with its own KV cache; its LM head
-    is the model's. first: the first position its cache holds (a continued cache starts later)."""
+    is the model's. oldest: the first position its cache holds (a continued cache starts later)."""
     e = rms_norm(embed(tokens), W["mtp.pre_fc_norm_embedding.weight"], EPS)  # (L, 1024)
     h = rms_norm(hidden, W["mtp.pre_fc_norm_hidden.weight"], EPS)     # (L, 1024)
     x = linear(mx.concatenate([e, h], axis=-1), "mtp.fc")             # (L, 1024) from (L, 2048)
     positions = mx.arange(start, start + x.shape[0])                  # (L,) h_t's: the draft's t
     keys = mx.arange(start + x.shape[0])[None, :]                    # (1, S)
-    visible = (keys <= positions[:, None]) & (keys >= first)          # (L, S)
+    visible = (keys <= positions[:, None]) & (keys >= oldest)         # (L, S)
     x = transformer_block(x, N_LAYERS, mtp_cache, Pass(start, positions, None, visible))
     return linear(rms_norm(x, W["mtp.norm.weight"], EPS), "lm_head")  # (L, vocab)
 
@@ -650,9 +650,9 @@ def take_slots(cache, numbers, own):
             cache[i] = tuple(mx.zeros((0, *a.shape[1:]), a.dtype) for a in entry)
         arrays = [padded(a, 0, max(numbers) + 1) for a in cache[i]]    # (B, ...) slots added
         for j, a in enumerate(arrays):
-            part = mx.zeros_like(a[index]) if entry is None else entry[j]  # (G, ...)
-            arrays[j] = a = padded(a, 2, part.shape[2])
-            a[index, :, :part.shape[2]] = part
+            given = mx.zeros_like(a[index]) if entry is None else entry[j]  # (G, ...)
+            arrays[j] = a = padded(a, 2, given.shape[2])
+            a[index, :, :given.shape[2]] = given
         cache[i] = tuple(arrays)
 
 def trimmed(entry, layer_idx, live, room):  # a layer's cache: the live slots, positions < room
@@ -715,8 +715,8 @@ def prefill_rows(prompts):
     longest = max(len(ids) for ids in prompts) - 1
     earlier = mx.array([ids[:-1] + [0] * (longest + 1 - len(ids)) for ids in prompts])  # (G, ..)
     cache = [None] * N_LAYERS
-    for c in range(0, longest, CHUNK):
-        forward_rows(earlier[:, c:c + CHUNK], cache, [c] * len(prompts))
+    for i in range(0, longest, CHUNK):
+        forward_rows(earlier[:, i:i + CHUNK], cache, [i] * len(prompts))
         mx.eval(cache)
     return cache
 
@@ -748,9 +748,9 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
         if not live:  # every prompt done
             return
         room = -(-(max(slots[b].pos for b in live) + 1) // GROW) * GROW  # the next pass's buffer
-        held = max([entry[0].shape[2] for i, entry in enumerate(cache)
+        buffered = max([entry[0].shape[2] for i, entry in enumerate(cache)
                     if entry is not None and not deltanet(i)], default=0)
-        if len(live) < len(slots) or held > room:
+        if len(live) < len(slots) or buffered > room:
             cache[:] = [trimmed(entry, i, mx.array(live), room) for i, entry in enumerate(cache)]
             slots = [slots[b] for b in live]
         tokens = mx.stack([row.token for row in slots])               # (B,) each row's, lazy
@@ -804,10 +804,10 @@ def shard(name, w, group, qwen35):
         segments = mx.split(w, [keys, 2 * keys], axis=axis)
     elif "gate_up_proj" in (module, leaf):  # each expert's gate, then its up
         segments = mx.split(w, 2, axis=axis)
-    part = mx.concatenate([mx.split(s, n, axis=axis)[r] for s in segments], axis=axis)  # 1/N
-    part = mx.contiguous(part)
-    mx.eval(part)
-    return part
+    cut = mx.concatenate([mx.split(s, n, axis=axis)[r] for s in segments], axis=axis)   # 1/N
+    cut = mx.contiguous(cut)
+    mx.eval(cut)
+    return cut
 
 # ═══ Mixture of experts — a router sends each token to k of E feed-forward networks ═══
 # Qwen3-30B-A3B's MLP, in each of its 48 blocks, is 128 experts, each a Step 6 SwiGLU 768 wide.
@@ -824,16 +824,16 @@ def moe(x, layer_idx, routes=None):
     gate. As a loop (tests/test_moe.py holds the two equal): for each token t and each of its k
     experts e, y[t] += weight[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t])). routes: a list,
     given (layer_idx, the choices (L, k), their weights (L, k))."""
-    p, k = f"model.layers.{layer_idx}.mlp.", MOE["num_experts_per_tok"]
+    p, top_k = f"model.layers.{layer_idx}.mlp.", MOE["num_experts_per_tok"]
     probs = mx.softmax(linear(x, p + "gate").astype(mx.float32), axis=-1)  # (L, 128) router
-    chosen = mx.argpartition(probs, -k, axis=-1)[:, -k:]              # (L, 8) its 8 likeliest
-    weights = mx.take_along_axis(probs, chosen, axis=-1)              # (L, 8)
+    chosen = mx.argpartition(probs, -top_k, axis=-1)[:, -top_k:]      # (L, 8) its 8 likeliest
+    mix = mx.take_along_axis(probs, chosen, axis=-1)                  # (L, 8)
     if MOE["norm_topk_prob"]:
-        weights = weights / weights.sum(axis=-1, keepdims=True)       # (L, 8) summing to 1
+        mix = mix / mix.sum(axis=-1, keepdims=True)                   # (L, 8) summing to 1
     if routes is not None:  # --explain's view of the experts at work
-        routes.append((layer_idx, chosen, weights))
+        routes.append((layer_idx, chosen, mix))
     out = experts(x, chosen, p + "experts.")                          # (L, 8, 2048)
-    y = (out * weights[..., None].astype(out.dtype)).sum(axis=-2)     # (L, 2048)
+    y = (out * mix[..., None].astype(out.dtype)).sum(axis=-2)         # (L, 2048)
     if p + "shared_expert_gate.weight" in W:  # Qwen3.5's: every token's, gated
         s = p + "shared_expert."
         h = swiglu(linear(x, s + "gate_proj"), linear(x, s + "up_proj"))  # (L, 512)
@@ -848,17 +848,17 @@ def experts(x, chosen, p):
     products over the stacked experts, p + "gate_up_proj" (E, 2I, D), gate's rows first, and
     p + "down_proj" (E, D, I). Many tokens (a prompt) are sorted by expert first, as mlx-lm does,
     so that each expert's rows are read once for all its tokens; then put back in order."""
-    L, k = chosen.shape
+    L, top_k = chosen.shape
     if chosen.size < 64:  # a few tokens (decoding): each row of x its k experts
         rows, picks, order = x[:, None, None, :], chosen, None        # (L, 1, 1, D), (L, k)
     else:
         order = mx.argsort(chosen.reshape(-1))                        # (L k,) by expert
-        rows, picks = x[order // k][:, None, :], chosen.reshape(-1)[order]  # (L k, 1, D)
+        rows, picks = x[order // top_k][:, None, :], chosen.reshape(-1)[order]  # (L k, 1, D)
     gate, up = mx.split(gathered(rows, p + "gate_up_proj", picks, order), 2, axis=-1)
     out = gathered(swiglu(gate, up), p + "down_proj", picks, order)   # (..., 1, D)
     if order is None:
         return out[..., 0, :]                                         # (L, k, D)
-    return out[mx.argsort(order)].reshape(L, k, -1)                   # (L, k, D) in token order
+    return out[mx.argsort(order)].reshape(L, top_k, -1)               # (L, k, D) in token order
 
 def gathered(x, name, picks, order):
     """x (..., 1, in) @ W[name][e].T for each row's expert e in picks: mx.gather_mm (quantised:
@@ -912,33 +912,33 @@ from functools import lru_cache  # noqa: E402
 def shown(token):  # a token's text, quoted (a leading space shows), special tokens by name
     return repr(TOK.decode([token], skip_special_tokens=False))
 
-def top_tokens(logits, k, where="the prompt"):
-    """logits (vocab,) -> the k likeliest tokens [(id, probability)], softmax at temperature 1."""
+def top_tokens(logits, n, which="the prompt"):
+    """logits (vocab,) -> the n likeliest tokens [(id, probability)], softmax at temperature 1."""
     probs = mx.softmax(logits.astype(mx.float32))                     # (vocab,)
     if not mx.isfinite(probs).all().item():
-        raise not_finite(f"after {where}", logits.dtype)
-    top = mx.argsort(-probs)[:k].tolist()                             # (k,) likeliest first
+        raise not_finite(f"after {which}", logits.dtype)
+    top = mx.argsort(-probs)[:n].tolist()                             # (n,) likeliest first
     return [(t, probs[t].item()) for t in top]
 
 def bar_line(label, token, p):  # a line of a probability table: 30 blocks for p = 1
     return f"{label:>10} {shown(token):>18} {p:<8.4g}{'█' * round(30 * p)}"
 
-def explain(prompt_ids, blocks, logits, cache, start, k):
-    """--explain, before the answer: the tokens, the top k next tokens, then where the prompt's
+def explain(prompt_ids, blocks, logits, cache, start, n):
+    """--explain, before the answer: the tokens, the top n next tokens, then where the prompt's
     last token looks in each attention block (blocks: its x after each)."""
     print("tokens:", ", ".join(f"{shown(t)} {t}" for t in prompt_ids))
     print(f"embedding: {embed(prompt_ids).shape}")
-    print(f"the next token: the model's top {k}")
-    print("\n".join(bar_line("", token, p) for token, p in top_tokens(logits, k)))
+    print(f"the next token: the model's top {n}")
+    print("\n".join(bar_line("", token, p) for token, p in top_tokens(logits, n)))
     heads = "heads" if GROUP is None else f"rank 0's {N_HEADS // GROUP.size()} heads of {N_HEADS}"
     print("where the last token looks: each attention block's 3 heaviest tokens of the prompt "
           f"(averaged over {heads})")
-    for i, weights in attention_looks(prompt_ids, blocks, cache, start):
-        weights = weights[start:].tolist()                            # the prompt's positions
-        top = sorted(range(len(weights)), key=weights.__getitem__, reverse=True)[:3]
+    for i, looks in attention_looks(prompt_ids, blocks, cache, start):
+        looks = looks[start:].tolist()                                # the prompt's positions
+        top = sorted(range(len(looks)), key=looks.__getitem__, reverse=True)[:3]
         for n, j in enumerate(top):
-            print(bar_line(f"block {i}" if n == 0 else "", prompt_ids[j], weights[j]))
-        print(f"{'':>10} {'rest':>18} {1 - sum(weights[j] for j in top):<8.4g}")
+            print(bar_line(f"block {i}" if n == 0 else "", prompt_ids[j], looks[j]))
+        print(f"{'':>10} {'rest':>18} {1 - sum(looks[j] for j in top):<8.4g}")
     delta = [str(i + 1) for i in range(N_LAYERS) if deltanet(i)]
     if delta:
         print(f"blocks {', '.join(delta)}: Gated DeltaNet, compressed notes: no such weights")
@@ -978,25 +978,25 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False, 
     positions' ids and cache, and one block's logits for a chunk of them at a time. progress: a
     line on stderr at a terminal, taken away on every way out. routes: a list, given what each
     mixture of experts chose at every position (moe()'s (block, chosen, weights), a chunk's)."""
-    first = len(token_ids) - len(written)                             # the first column's place
-    if first < 0:
+    first_col = len(token_ids) - len(written)                         # the first column's place
+    if first_col < 0:
         raise ValueError(f"{len(written)} ids written after {len(token_ids)} positions")
     # Keys and values cut at start: the first write past it grows them into new buffers, and so
     # never lands in the run's. A DeltaNet's notes are new arrays at every token.
-    own = [None if c is None else c[:2] if deltanet(i) else (c[0][:, :start], c[1][:, :start])
-           for i, c in enumerate(cache)]
+    own = [entry if entry is None or deltanet(i) else (entry[0][:, :start], entry[1][:, :start])
+           for i, entry in enumerate(cache)]
     kept = [[(mx.zeros(0, mx.uint32), mx.zeros(0), mx.zeros(0))] for _ in range(N_LAYERS)]
     progress, line = progress and sys.stderr.isatty(), ""  # line: the progress line shown
     try:
         for i in range(0, len(token_ids), chunk):
             ids, blocks = token_ids[i:i + chunk], []
             forward(ids, own, start + i, blocks, routes=routes)       # its logits never computed
-            at = max(first - i, 0)                                    # the chunk's first column
-            if at < len(ids):  # columns in this chunk
-                wrote = mx.array(written[i + at - first:i + len(ids) - first])  # (C,)
+            col0 = max(first_col - i, 0)                              # the chunk's first column
+            if col0 < len(ids):  # columns in this chunk
+                wrote = mx.array(written[i + col0 - first_col:i + len(ids) - first_col])  # (C,)
                 for b, (block_kept, x) in enumerate(zip(kept, blocks), 1):
                     # Its own final norm: lm_head() normalises this block's x by its own size.
-                    logits = lm_head(x[at:]).astype(mx.float32)       # (C, vocab)
+                    logits = lm_head(x[col0:]).astype(mx.float32)     # (C, vocab)
                     lse = mx.logsumexp(logits, axis=-1)               # (C,) softmax's divisor
                     taken = mx.take_along_axis(logits, wrote[:, None], axis=-1)[:, 0]  # (C,)
                     block_kept.append((mx.argmax(logits, axis=-1), mx.exp(taken - lse),
@@ -1011,8 +1011,8 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False, 
             mx.eval(own, routes or [])
     finally:  # the line blanked (spaces: a dumb terminal has no codes to clear it)
         print(f"\r{' ' * len(line)}\r" if line else "", end="", file=sys.stderr, flush=True)
-    return [mx.stack([mx.concatenate([c[k] for c in block_kept]) for block_kept in kept])
-            for k in range(3)]
+    return [mx.stack([mx.concatenate([chunk_kept[field] for chunk_kept in block_kept])
+                      for block_kept in kept]) for field in range(3)]
 
 # GPT-2's byte-level alphabet, which Qwen's tokenizer.json spells its tokens in: a byte that is a
 # printable Latin-1 character is itself, the others are chr(256), chr(257), ... in order.
@@ -1033,24 +1033,24 @@ def cell_text(token, width=CELL):
     text = f"#{token}" if spelt is None else TOK.decode([token], skip_special_tokens=False)
     if "\ufffd" in text and all(c in BYTE_OF for c in spelt):  # a piece of a character
         text = bytes(BYTE_OF[c] for c in spelt).decode(errors="surrogateescape")
-    parts = []  # [what shows, its columns]: a character with the marks on it, or a stand-in
+    pieces = []  # [what shows, its columns]: a character with the marks on it, or a stand-in
     for c in text:
         if "\udc80" <= c <= "\udcff":  # a byte that is no whole character (surrogateescape's)
-            parts.append([f"<0x{ord(c) - 0xDC00:02X}>", 6])
+            pieces.append([f"<0x{ord(c) - 0xDC00:02X}>", 6])
         elif unicodedata.category(c) in ("Mn", "Me"):  # a mark: on the one before, or on ◌
-            glyphs, n = parts.pop() if parts else ["◌", 1]
-            parts.append([glyphs + c, max(n, 2 if c == "\ufe0f" else 1)])
+            glyphs, n = pieces.pop() if pieces else ["◌", 1]
+            pieces.append([glyphs + c, max(n, 2 if c == "\ufe0f" else 1)])
         elif not c.isprintable() and c not in " \n":
-            parts.append([f"U+{ord(c):04X}", len(f"U+{ord(c):04X}")])
+            pieces.append([f"U+{ord(c):04X}", len(f"U+{ord(c):04X}")])
         else:  # (U+FE0F above: the emoji form, two columns wide)
             wide = unicodedata.east_asian_width(c) in ("W", "F")
-            parts.append([{" ": "·", "\n": "↵"}.get(c, c), 2 if wide else 1])
-    room = width if sum(n for _, n in parts) <= width else width - 1  # a cut one ends with …
+            pieces.append([{" ": "·", "\n": "↵"}.get(c, c), 2 if wide else 1])
+    room = width if sum(n for _, n in pieces) <= width else width - 1  # a cut one ends with …
     kept, used = "", 0
-    for part, n in parts:
+    for piece, n in pieces:
         if used + n > room:
             break
-        kept, used = kept + part, used + n
+        kept, used = kept + piece, used + n
     if room < width:
         kept, used = kept + "…", used + 1
     return kept + " " * (width - used)
@@ -1061,12 +1061,12 @@ def shade(p, colour):  # a probability -> a glyph, or a 256-colour grey backgrou
         return f"\x1b[48;5;{233 + 3 * level};38;5;{232 if level > 3 else 255}m "
     return SHADES[level]
 
-def lens_picture(top, p, written, read, colour=False, screen=80, number=1):
+def lens_picture(top, p, written, inputs, colour=False, screen=80, number=1):
     """The logit lens as lines of text, in panels of as many columns as fit screen: a row per
     block, the last on top; a cell per answer token (numbered from number): the block's likeliest
     token, shaded by the probability it gave the token written, ✓ where it is that token; under
     them, the token each column read. top, p: logit_lens()'s, as lists."""
-    label, end = len(f"block {N_LAYERS}") + 1, "\x1b[0m" if colour else ""
+    label, reset = len(f"block {N_LAYERS}") + 1, "\x1b[0m" if colour else ""
     per = max(1, (screen - label) // (CELL + 3))                      # columns in a panel
     lines = []
     for c0 in range(0, len(written), per):
@@ -1078,8 +1078,8 @@ def lens_picture(top, p, written, read, colour=False, screen=80, number=1):
         for b in reversed(range(N_LAYERS)):
             lines.append(f"{f'block {b + 1}':<{label}}" + " ".join(
                 shade(p[b][j], colour) + cell_text(top[b][j])
-                + ("✓" if top[b][j] == written[j] else " ") + end for j in cols))
-        lines.append(f"{'read':<{label}}" + " ".join(f" {cell_text(read[j])} " for j in cols))
+                + ("✓" if top[b][j] == written[j] else " ") + reset for j in cols))
+        lines.append(f"{'read':<{label}}" + " ".join(f" {cell_text(inputs[j])} " for j in cols))
     return lines
 
 def answer_forming(prompt_ids, generated, cache, start, columns=64, greedy=True, chunk=CHUNK):
@@ -1129,24 +1129,24 @@ def experts_at_work(routes, last, answer):
     and its busiest three with their share of the choices. routes: logit_lens()'s, (block,
     chosen (C, k), weights (C, k)) chunk after chunk -> lines, none over 80 columns."""
     per_block = {}
-    for b, chosen, weights in routes:
-        per_block.setdefault(b, []).append((chosen, weights))
-    k, e = MOE["num_experts_per_tok"], MOE["num_experts"]
-    lines = [f"the experts at work: in each block, the {k} of {e} experts the prompt's last",
+    for b, chosen, mix in routes:
+        per_block.setdefault(b, []).append((chosen, mix))
+    top_k, e = MOE["num_experts_per_tok"], MOE["num_experts"]
+    lines = [f"the experts at work: in each block, the {top_k} of {e} experts the prompt's last",
              "token chose (#expert:weight); then over the answer, how many experts each block",
-             f"used, and its busiest three with their share of the {k} x {len(answer)} choices"]
+             f"used, and its busiest three with their share of the {top_k} x {len(answer)} choices"]
     used = []
     for b, parts in per_block.items():
         chosen = mx.concatenate([c for c, _ in parts]).tolist()       # a row of k each position
-        weights = mx.concatenate([w for _, w in parts]).tolist()
-        picks = [f"#{x}:{100 * w:.0f}%" for w, x in sorted(zip(weights[last], chosen[last]),
+        mix = mx.concatenate([w for _, w in parts]).tolist()
+        picks = [f"#{x}:{100 * w:.0f}%" for w, x in sorted(zip(mix[last], chosen[last]),
                                                           reverse=True)]
-        for i, part in enumerate(textwrap.wrap(" ".join(picks), 71)):  # k > 8: more lines
-            lines.append(f"{f'block {b + 1}' if i == 0 else '':<8} {part}")
-        counts = Counter(x for row in chosen[answer.start:answer.stop] for x in row)
-        busiest = "".join(f"  #{x} {100 * n / (k * len(answer)):.0f}%"
-                          for x, n in counts.most_common(3))
-        used.append(f"{f'block {b + 1}':<8} {len(counts):>4} of {e} used; busiest{busiest}")
+        for i, wrapped in enumerate(textwrap.wrap(" ".join(picks), 71)):  # k > 8: more lines
+            lines.append(f"{f'block {b + 1}' if i == 0 else '':<8} {wrapped}")
+        tally = Counter(x for row in chosen[answer.start:answer.stop] for x in row)
+        busiest = "".join(f"  #{x} {100 * n / (top_k * len(answer)):.0f}%"
+                          for x, n in tally.most_common(3))
+        used.append(f"{f'block {b + 1}':<8} {len(tally):>4} of {e} used; busiest{busiest}")
     return lines + used
 
 # ─── What memory moves ───
@@ -1161,12 +1161,12 @@ def bandwidth(size=2**28, tries=5):
     streams = cpu_streams(n) if mx.default_device() == mx.cpu else [mx.default_stream(
         mx.default_device())]
     words = mx.zeros(size // 4, mx.uint32)                            # written before any timing
-    parts = mx.split(words, [len(words) * i // len(streams) for i in range(1, len(streams))])
-    mx.eval(parts)
+    slices = mx.split(words, [len(words) * i // len(streams) for i in range(1, len(streams))])
+    mx.eval(slices)
 
-    def read():
-        mx.eval([part.sum(stream=stream) for part, stream in zip(parts, streams)])
-    return size / min(timeit.repeat(read, timer=time.perf_counter, number=1, repeat=tries))
+    def sum_slices():
+        mx.eval([piece.sum(stream=stream) for piece, stream in zip(slices, streams)])
+    return size / min(timeit.repeat(sum_slices, timer=time.perf_counter, number=1, repeat=tries))
 
 @lru_cache
 def cpu_streams(n):  # n CPU streams, made once: MLX keeps a thread for each as long as it runs
@@ -1210,7 +1210,7 @@ def setup(argv, group):
     if launched:
         check_launched(args)
     texts = read_prompts(args)
-    folder = model_folder(args.model, fetch=not launched)
+    folder = model_folder(args.model, may_fetch=not launched)
     cfg = load_checked(folder, args.dtype and getattr(mx, args.dtype), group)
     for tag in ("<|im_start|>", "<|im_end|>"):
         if args.chat and len(tokenize(tag)) != 1:  # a tokenizer without them spells them out
@@ -1335,11 +1335,11 @@ def read_prompts(args):
 
 def summary(folder, cfg):
     """The model's line: what runs, its layers, heads and size, the dtype it computes in."""
-    weights, quant = {id(w): w for w in W.values()}.values(), cfg["quantization"]  # tied: once
-    size = f"{sum(w.size for w in weights) / 1e9:.2f}B parameters"
+    tensors, quant = {id(w): w for w in W.values()}.values(), cfg["quantization"]  # tied: once
+    size = f"{sum(w.size for w in tensors) / 1e9:.2f}B parameters"
     if quant:  # packed words: the format and the bytes, not the count
         size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
-                f"{sum(w.nbytes for w in weights) / 1e9:.2f} GB")
+                f"{sum(w.nbytes for w in tensors) / 1e9:.2f} GB")
     if cfg["group"]:  # what this process holds
         size += f" on rank 0 of {cfg['group'].size()} (each 1/{cfg['group'].size()} of a block)"
     name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
@@ -1464,14 +1464,14 @@ def print_stats(n_prompt, n, tic, t_first, cache, held, passes=None, mtp=False):
     if MODEL == "qwen3_5":  # the other memory
         print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
               f"{cache_bytes(cache, kind='linear_attention') / 1e6:.3f} MB at any length")
-    weights, memory = token_bytes(cache, held + n, mtp)
+    weight_bytes, kv_bytes = token_bytes(cache, held + n, mtp)
     per_pass = n / passes if passes else 1.0                          # tokens a pass
-    read = (weights + memory) / per_pass                              # bytes a token
+    per_token = (weight_bytes + kv_bytes) / per_pass                  # bytes a token
     drafted = "" if passes is None else f" a pass, {per_pass:.2f} tokens a pass: " \
-        f"{read / 1e6:.3f} MB a token"
-    print(f"Bytes per token{'' if GROUP is None else ', rank 0'}: {weights / 1e6:.3f} MB of "
-          f"weights + {memory / 1e6:.3f} MB of cache{drafted}, {read * rate / 1e9:.3f} GB/s at "
-          f"{rate:.3f} tokens-per-sec", flush=True)
+        f"{per_token / 1e6:.3f} MB a token"
+    print(f"Bytes per token{'' if GROUP is None else ', rank 0'}: {weight_bytes / 1e6:.3f} MB of "
+          f"weights + {kv_bytes / 1e6:.3f} MB of cache{drafted}, {per_token * rate / 1e9:.3f} "
+          f"GB/s at {rate:.3f} tokens-per-sec", flush=True)
     if GROUP is not None:  # what joining the processes' parts costs a pass
         x = mx.zeros((1, D), W["model.norm.weight"].dtype)            # a block's output, a token
         sums = 2 * (N_LAYERS + mtp)  # (the MTP head's layer: 2 more)
@@ -1479,7 +1479,7 @@ def print_stats(n_prompt, n, tic, t_first, cache, held, passes=None, mtp=False):
         print(f"All-sums: {sums} a pass (2 a block) over {GROUP.size()} processes, "
               f"{x.nbytes / 1e3:.3f} kB each; timed alone, {seconds * 1e3:.3f} ms a pass: "
               f"{100 * seconds * rate / per_pass:.1f}% of its time", flush=True)
-    return read * rate
+    return per_token * rate
 
 def token_bytes(cache, held, mtp=False, rows=1):
     """What a pass of the model over one token reads -> (its weights' bytes, its cache's): each
@@ -1492,12 +1492,12 @@ def token_bytes(cache, held, mtp=False, rows=1):
     skipped = ("model.embed_tokens", *mtp_names)
     used = {id(w): w for name, w in W.items() if not name.startswith(skipped)}  # tied: once
     drafting = {id(w): w for name, w in W.items() if name.startswith(mtp_names)} if mtp else {}
-    lm_head = [w for name, w in W.items() if name.startswith("lm_head.")] if mtp else []
-    read = {id(w): min(1, rows * MOE["num_experts_per_tok"] / MOE["num_experts"])
+    head_tensors = [w for name, w in W.items() if name.startswith("lm_head.")] if mtp else []
+    share = {id(w): min(1, rows * MOE["num_experts_per_tok"] / MOE["num_experts"])
             for name, w in W.items() if ".mlp.experts." in name}     # (E, ...) of which k a row
-    weights = sum(w.nbytes * read.get(id(w), 1) for w in [*used.values(), *drafting.values(),
-                                                           *lm_head]) / rows
-    return weights, cache_bytes(cache, held) + cache_bytes(cache, kind="linear_attention")
+    read_once = [*used.values(), *drafting.values(), *head_tensors]
+    weight_bytes = sum(w.nbytes * share.get(id(w), 1) for w in read_once) / rows
+    return weight_bytes, cache_bytes(cache, held) + cache_bytes(cache, kind="linear_attention")
 
 def cache_bytes(cache, held=None, kind="full_attention"):
     """The keys' and values' bytes of positions 0..held-1 (or all the buffers hold);
@@ -1534,21 +1534,21 @@ def reply_batch(texts, prompts, args):
                                                               text) + completion)
     if args.quiet:
         return
-    n, held = sum(len(ids) for ids in done), sum(positions for _, positions in ended)
+    n, kv_positions = sum(len(ids) for ids in done), sum(positions for _, positions in ended)
     full = N_LAYERS - sum(deltanet(i) for i in range(N_LAYERS))  # its layers with keys and values
     kv_heads = N_KV // (GROUP.size() if GROUP else 1)  # (several processes: rank 0's)
-    kv = held * full * 2 * kv_heads * D_HEAD * W["model.norm.weight"].dtype.size
+    kv = kv_positions * full * 2 * kv_heads * D_HEAD * W["model.norm.weight"].dtype.size
     rows = min(args.batch_size, len(prompts))  # a token of each row shares one read of the weights
     print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
           f"--batch-size {args.batch_size}")
     print(f"Generation: {n} tokens, {n / seconds:.3f} tokens-per-sec (all rows, prefills included)")
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-    print(f"KV cache: {held} positions in {len(ended)} sequences, {kv / 1e6:.3f} MB (each as it "
-          "ended; at most --batch-size of them held at once)")
-    weights = token_bytes([], 0, rows=rows)[0]  # (a mixture's: at most, rows may share experts)
-    print(f"Bytes per token, a row of {rows}: {'at most ' if MOE else ''}{weights / 1e6:.3f} MB "
-          f"of weights + {kv / len(ended) / 1e6:.3f} MB of keys and values (their mean at the "
-          "end)", flush=True)
+    print(f"KV cache: {kv_positions} positions in {len(ended)} sequences, {kv / 1e6:.3f} MB (each "
+          "as it ended; at most --batch-size of them held at once)")
+    weight_bytes = token_bytes([], 0, rows=rows)[0]  # (a mixture's: at most: rows share experts)
+    print(f"Bytes per token, a row of {rows}: {'at most ' if MOE else ''}"
+          f"{weight_bytes / 1e6:.3f} MB of weights + {kv / len(ended) / 1e6:.3f} MB of keys and "
+          "values (their mean at the end)", flush=True)
 
 # ─── Chat ───
 
@@ -1765,35 +1765,22 @@ def fits(value, kind, cfg):
             "mtp": type(value) is int and value in (0, 1)}[kind]
 
 def read_configs(folder):
-    """config.json's CONFIG entries, checked, and "eos_ids": its and generation_config.json's."""
+    """config.json's CONFIG entries (and a model's own: Qwen3.5's, a mixture's, YaRN's), checked,
+    and "eos_ids": its and generation_config.json's."""
     path, gen_path = folder / "config.json", folder / "generation_config.json"
-    cfg = read_file(path, parse_json, "valid JSON")
+    raw = read_file(path, parse_json, "valid JSON")
     gen = read_file(gen_path, parse_json, "valid JSON") if gen_path.exists() else {}
-    for file, data in [(path, cfg), (gen_path, gen)]:
+    for file, data in [(path, raw), (gen_path, gen)]:
         if not isinstance(data, dict):
             raise UserError(f"{file} must hold a JSON object {{...}}, not {shown_json(data, 40)}")
-    model_type = cfg.get("model_type")  # (its family, qwen3 or qwen3_5, and whether experts)
+    model_type = raw.get("model_type")  # (its family, qwen3 or qwen3_5, and whether experts)
     model_type = model_type if isinstance(model_type, str) else None  # (else: said below)
-    if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg, **cfg["text_config"], "model_type": model_type}  # the language model's
-    nested, scaled = cfg.get("rope_parameters"), "rope_scaling"  # scaled: the entry, as named
-    if isinstance(nested, dict):  # transformers 5 writes rope_theta (and scaling) here
-        cfg = {"rope_theta": nested.get("rope_theta"), **nested, **cfg}
-        if nested.get("rope_type", nested.get("type", "default")) != "default":  # "yarn", say
-            cfg["rope_scaling"], scaled = nested, "rope_parameters"
-    cfg = {"tie_word_embeddings": False, "eos_token_id": None, "quantization": None,
-           "mtp_num_hidden_layers": 0, "decoder_sparse_step": 1, "mlp_only_layers": [], **cfg}
-    if cfg.get("quantization_config") == cfg["quantization"]:  # MLX writes its own twice
-        cfg.pop("quantization_config", None)
-    moe = {"qwen3_moe": MOE_CONFIG, "qwen3_5_moe": MOE35_CONFIG}.get(model_type, {})
+    cfg, scaled = flat_config(raw, model_type)
+    moe_entries = {"qwen3_moe": MOE_CONFIG, "qwen3_5_moe": MOE35_CONFIG}.get(model_type, {})
     qwen35 = QWEN35_CONFIG if model_type in ("qwen3_5", "qwen3_5_moe") else {}
-    entries = {**CONFIG, **qwen35, **moe}
+    entries = {**CONFIG, **qwen35, **moe_entries}
     if model_type == "qwen3_5_moe":  # every layer's MLP a mixture: no dense width
         del entries["intermediate_size"]
-        if cfg.get("norm_topk_prob", True) is not True:  # transformers renormalises always
-            raise UserError(f"{path}: norm_topk_prob is {shown_json(cfg['norm_topk_prob'])}: "
-                            "Qwen3.5-MoE's top k are renormalised (transformers has no such "
-                            "entry)")
     gen = {"eos_token_id": None, **gen}  # generation_config.json's is optional
     for file, data, names in [(path, cfg, entries), (gen_path, gen, ["eos_token_id"])]:
         for name in names:
@@ -1802,25 +1789,56 @@ def read_configs(folder):
             if not fits(data[name], entries[name], cfg):
                 raise UserError(f"{file}: {name} must be {KINDS[entries[name]]}, "
                                 f"not {shown_json(data[name])}")
+    check_the_math(cfg, path, model_type)
+    yarn_entries = checked_yarn(cfg.get("rope_scaling"), path, scaled)
+    if yarn_entries:  # the context it reaches: factor x the original (Qwen's cards keep theirs)
+        cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], int(
+            yarn_entries["factor"] * yarn_entries["original_max_position_embeddings"]))
+    eos = set(as_list(cfg["eos_token_id"]) + as_list(gen["eos_token_id"])) - {None}
+    return {**{name: cfg.get(name) for name in CONFIG}, "eos_ids": eos,
+            "moe": mixture_config(cfg, model_type, moe_entries), "yarn": yarn_entries,
+            "model_type": model_type.removesuffix("_moe"),  # its family: the code's branches
+            "qwen35": {name: cfg[name] for name in qwen35}}
+
+def flat_config(raw, model_type):
+    """config.json's entries in one dict, as transformers reads them: Qwen3.5's language model's
+    (text_config), transformers 5's rope_parameters, the defaults -> it, and the name of the
+    entry that scales RoPE ("rope_scaling", or "rope_parameters" where that holds it)."""
+    cfg, scaled = raw, "rope_scaling"
+    if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(raw.get("text_config"), dict):
+        cfg = {**raw, **raw["text_config"], "model_type": model_type}  # the language model's
+    nested = cfg.get("rope_parameters")
+    if isinstance(nested, dict):  # transformers 5 writes rope_theta (and scaling) here
+        cfg = {"rope_theta": nested.get("rope_theta"), **nested, **cfg}
+        if nested.get("rope_type", nested.get("type", "default")) != "default":  # "yarn", say
+            cfg["rope_scaling"], scaled = nested, "rope_parameters"
+    cfg = {"tie_word_embeddings": False, "eos_token_id": None, "quantization": None,
+           "mtp_num_hidden_layers": 0, "decoder_sparse_step": 1, "mlp_only_layers": [], **cfg}
+    if cfg.get("quantization_config") == cfg["quantization"]:  # MLX writes its own twice
+        cfg.pop("quantization_config", None)
+    return cfg, scaled
+
+def check_the_math(cfg, path, model_type):
+    """The entries that change the math: each as this file computes it, or a UserError."""
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
         raise UserError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
+    if model_type == "qwen3_5_moe" and cfg.get("norm_topk_prob", True) is not True:
+        raise UserError(f"{path}: norm_topk_prob is {shown_json(cfg['norm_topk_prob'])}: "
+                        "Qwen3.5-MoE's top k are renormalised (transformers has no such entry)")
     for name, (computed, other) in UNSUPPORTED.items():
         if cfg.get(name, computed) != computed:
             raise UserError(f"{path}: {name} is {shown_json(cfg[name])}: this script does not run "
                             f"{other}")
-    yarn = checked_yarn(cfg.get("rope_scaling"), path, scaled)
-    if yarn:  # the context it reaches: factor x the original (Qwen's cards keep max_position_...)
-        cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], int(
-            yarn["factor"] * yarn["original_max_position_embeddings"]))
-    if moe:
-        moe = {"norm_topk_prob": True, **{name: cfg[name] for name in moe}}
-        moe["layers"] = [i for i in range(cfg["num_hidden_layers"]) if model_type == "qwen3_5_moe"
-                         or i not in cfg["mlp_only_layers"] and (i + 1) % cfg["decoder_sparse_step"]
-                         == 0]  # Qwen3-MoE's rule, as transformers and mlx-lm have it
-    eos = set(as_list(cfg["eos_token_id"]) + as_list(gen["eos_token_id"])) - {None}
-    return {**{name: cfg.get(name) for name in CONFIG}, "eos_ids": eos, "moe": moe, "yarn": yarn,
-            "model_type": model_type.removesuffix("_moe"),  # its family: the code's branches
-            "qwen35": {name: cfg[name] for name in qwen35}}
+
+def mixture_config(cfg, model_type, moe_entries):  # a mixture's entries, and its MoE layers
+    if not moe_entries:
+        return {}
+    moe_cfg = {"norm_topk_prob": True, **{name: cfg[name] for name in moe_entries}}
+    sparse = [i for i in range(cfg["num_hidden_layers"]) if i not in cfg["mlp_only_layers"]
+              and (i + 1) % cfg["decoder_sparse_step"] == 0]  # Qwen3-MoE's rule, as transformers
+    moe_cfg["layers"] = list(range(cfg["num_hidden_layers"])) if model_type == "qwen3_5_moe" \
+        else sparse  # (Qwen3.5-MoE: every layer's)
+    return moe_cfg
 
 def checked_yarn(scaling, path, entry="rope_scaling"):
     """rope_scaling (or rope_parameters' scaling, entry: its name): None, or YaRN's entries,
@@ -1946,47 +1964,47 @@ def stack_experts(weights, cfg, folder):
 def expected_shapes(cfg, weights):
     """The tensors the model uses -> the shapes config.json's sizes give them."""
     d, f, v, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
-    q, kv, c, moe = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg[
-        "qwen35"], cfg["moe"]
+    q_width, kv_width = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    qwen35, moe_cfg = cfg["qwen35"], cfg["moe"]
     norms = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
     dense = {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
              "mlp.down_proj.weight": (d, f)}
-    experts = {}  # a mixture's MLP: the router, the experts stacked, Qwen3.5's shared expert
-    if moe:
-        e, i, s = moe["num_experts"], moe["moe_intermediate_size"], moe.get(
+    mixture = {}  # a mixture's MLP: the router, the experts stacked, Qwen3.5's shared expert
+    if moe_cfg:
+        e, i, s = moe_cfg["num_experts"], moe_cfg["moe_intermediate_size"], moe_cfg.get(
             "shared_expert_intermediate_size")
-        experts = {"mlp.gate.weight": (e, d), "mlp.experts.gate_up_proj": (e, 2 * i, d),
+        mixture = {"mlp.gate.weight": (e, d), "mlp.experts.gate_up_proj": (e, 2 * i, d),
                    "mlp.experts.down_proj": (e, d, i)}
         if s:
-            experts.update({"mlp.shared_expert.gate_proj.weight": (s, d),
+            mixture.update({"mlp.shared_expert.gate_proj.weight": (s, d),
                             "mlp.shared_expert.up_proj.weight": (s, d),
                             "mlp.shared_expert.down_proj.weight": (d, s),
                             "mlp.shared_expert_gate.weight": (1, d)})
-    full = {"self_attn.q_proj.weight": (2 * q if c else q, d),  # Qwen3.5's: and its gate
-            "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
-            "self_attn.o_proj.weight": (d, q), "self_attn.q_norm.weight": (hd,),
+    full = {"self_attn.q_proj.weight": (2 * q_width if qwen35 else q_width, d),  # Qwen3.5: gate
+            "self_attn.k_proj.weight": (kv_width, d), "self_attn.v_proj.weight": (kv_width, d),
+            "self_attn.o_proj.weight": (d, q_width), "self_attn.q_norm.weight": (hd,),
             "self_attn.k_norm.weight": (hd,)}
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
               "lm_head.weight": (v, d)}
-    if c:  # Qwen3.5's Gated DeltaNet layers, and its MTP head (all its tensors, or none)
-        keys = c["linear_num_key_heads"] * c["linear_key_head_dim"]        # 2048
-        values = c["linear_num_value_heads"] * c["linear_value_head_dim"]  # 2048
-        a, heads = "linear_attn.", (c["linear_num_value_heads"],)
+    if qwen35:  # Qwen3.5's Gated DeltaNet layers, and its MTP head (all its tensors, or none)
+        keys = qwen35["linear_num_key_heads"] * qwen35["linear_key_head_dim"]  # 2048
+        values = qwen35["linear_num_value_heads"] * qwen35["linear_value_head_dim"]  # 2048
+        a, heads = "linear_attn.", (qwen35["linear_num_value_heads"],)
         delta = {a + "in_proj_qkv.weight": (2 * keys + values, d),
                  a + "in_proj_z.weight": (values, d), a + "in_proj_b.weight": (*heads, d),
                  a + "in_proj_a.weight": (*heads, d), a + "dt_bias": heads, a + "A_log": heads,
-                 a + "conv1d.weight": (2 * keys + values, c["linear_conv_kernel_dim"]),
-                 a + "norm.weight": (c["linear_value_head_dim"],),
+                 a + "conv1d.weight": (2 * keys + values, qwen35["linear_conv_kernel_dim"]),
+                 a + "norm.weight": (qwen35["linear_value_head_dim"],),
                  a + "out_proj.weight": (d, values)}
-        if c["mtp_num_hidden_layers"] and any(name.startswith("mtp.") for name in weights):
-            layer = {**norms, **(experts or dense), **full}  # (Qwen3.5-MoE's: a mixture too)
+        if qwen35["mtp_num_hidden_layers"] and any(name.startswith("mtp.") for name in weights):
+            layer = {**norms, **(mixture or dense), **full}  # (Qwen3.5-MoE's: a mixture too)
             shapes.update({"mtp.fc.weight": (d, 2 * d), "mtp.norm.weight": (d,),
                            "mtp.pre_fc_norm_embedding.weight": (d,),
                            "mtp.pre_fc_norm_hidden.weight": (d,),
                            **{f"mtp.layers.0.{name}": s for name, s in layer.items()}})
     for n in range(cfg["num_hidden_layers"]):
-        mixer = delta if c and c["layer_types"][n] == "linear_attention" else full
-        mlp = experts if moe and n in moe["layers"] else dense
+        mixer = delta if qwen35 and qwen35["layer_types"][n] == "linear_attention" else full
+        mlp = mixture if moe_cfg and n in moe_cfg["layers"] else dense
         shapes.update({f"model.layers.{n}.{name}": s for name, s in {**norms, **mlp,
                                                                       **mixer}.items()})
     return shapes
@@ -2026,15 +2044,15 @@ def read_tokenizer(folder, cfg):
 
 # ─── The download: a folder, or the Hugging Face Hub ───
 
-def model_folder(model, fetch=True):
+def model_folder(model, may_fetch=True):
     """--model -> its folder; the default folder, or a plain owner/name repo id not whole in the
-    Hugging Face cache, downloaded first (a second run asks the Hub nothing). fetch=False (under
+    Hugging Face cache, downloaded first (a second run asks the Hub nothing). may_fetch=False (under
     mlx.launch every process would fetch at once, and other hosts have no folder): a UserError."""
     path = Path(model).resolve()
     if path.is_file():
         raise UserError(f"{path} is a file, not a folder (a model is a folder)")
     if path == HERE / "Qwen3-0.6B" and not complete(path):  # the article's folder
-        return download(REPO, path) if fetch else not_fetched(REPO, path)
+        return download(REPO, path) if may_fetch else not_fetched(REPO, path)
     if path.exists():
         return path
     if not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", model):  # ./x, ../x, a/b/c, x: paths
@@ -2045,7 +2063,7 @@ def model_folder(model, fetch=True):
     cached = Path(config).parent if isinstance(config, str) else None
     if cached and complete(cached):
         return cached
-    return download(model, None) if fetch else not_fetched(model, None)
+    return download(model, None) if may_fetch else not_fetched(model, None)
 
 def not_fetched(repo, local_dir):
     raise UserError(f"{local_dir or repo} is not here whole, and under mlx.launch nothing is "
@@ -2252,36 +2270,36 @@ def xet_trouble(text, into):
 def check_split(cfg, n):
     """N processes each take 1/N of a block's heads and features: N must divide every count (and,
     quantised, leave whole groups of the numbers a row holds)."""
-    c, hd, q, moe = cfg["qwen35"], cfg["head_dim"], cfg["quantization"], cfg["moe"]
-    counts = {"query heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"]}
-    if not moe or len(moe["layers"]) < cfg["num_hidden_layers"]:  # a dense MLP somewhere
-        counts["MLP features"] = cfg["intermediate_size"]
-    if moe:  # each expert's features (and the shared expert's) cut, as the dense MLP's
-        counts["expert features"] = moe["moe_intermediate_size"]
-        if moe.get("shared_expert_intermediate_size"):
-            counts["shared expert features"] = moe["shared_expert_intermediate_size"]
-    if c:
-        counts.update({"DeltaNet key heads": c["linear_num_key_heads"],
-                       "DeltaNet value heads": c["linear_num_value_heads"]})
-    wrong = [f"{count} {what}" for what, count in counts.items() if count % n]
-    inputs = [counts["query heads"] * hd] + [counts[what] for what in counts if "features" in what]
-    if c:  # (o_proj, down_proj and out_proj read the inputs cut)
-        inputs.append(c["linear_num_value_heads"] * c["linear_value_head_dim"])
+    qwen35, hd, quant, moe_cfg = cfg["qwen35"], cfg["head_dim"], cfg["quantization"], cfg["moe"]
+    sizes = {"query heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"]}
+    if not moe_cfg or len(moe_cfg["layers"]) < cfg["num_hidden_layers"]:  # a dense MLP somewhere
+        sizes["MLP features"] = cfg["intermediate_size"]
+    if moe_cfg:  # each expert's features (and the shared expert's) cut, as the dense MLP's
+        sizes["expert features"] = moe_cfg["moe_intermediate_size"]
+        if moe_cfg.get("shared_expert_intermediate_size"):
+            sizes["shared expert features"] = moe_cfg["shared_expert_intermediate_size"]
+    if qwen35:
+        sizes.update({"DeltaNet key heads": qwen35["linear_num_key_heads"],
+                       "DeltaNet value heads": qwen35["linear_num_value_heads"]})
+    wrong = [f"{count} {what}" for what, count in sizes.items() if count % n]
+    inputs = [sizes["query heads"] * hd] + [sizes[what] for what in sizes if "features" in what]
+    if qwen35:  # (o_proj, down_proj and out_proj read the inputs cut)
+        inputs.append(qwen35["linear_num_value_heads"] * qwen35["linear_value_head_dim"])
     if wrong:
         raise UserError(f"{n} processes cannot share this model's blocks: {n} does not divide its "
                         f"{', '.join(wrong)} (mlx.launch -n: a number that does)")
-    if q and any(width // n % q["group_size"] for width in inputs):
+    if quant and any(width // n % quant["group_size"] for width in inputs):
         raise UserError(f"{n} processes cannot share this model's blocks: each one's part of a "
-                        f"row would cut the quantisation's groups of {q['group_size']} numbers "
+                        f"row would cut the quantisation's groups of {quant['group_size']} numbers "
                         "(mlx.launch -n: a smaller number)")
 
-def all_ranks_agree(group, step, *args):
+def all_ranks_agree(group, check, *args):
     """step(*args) -> its result. Several processes: each rank's UserError counted in one all_sum,
     so that all go on or all end; an error every rank met is said once (rank 0), one rank's own
     with its rank in front, and every line is out before any rank ends (mlx.launch ends the rest
     when one ends with an error)."""
     try:
-        result, failed = step(*args), None
+        result, failed = check(*args), None
     except UserError as e:
         result, failed = None, e
     if group.size() > 1:
