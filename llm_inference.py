@@ -86,7 +86,7 @@ def linear(x, name, summed=True):
     (summed=False: not yet, a mixture of experts adds its parts once)."""
     y = quantized_linear(x, name) if name + ".scales" in W else x @ W[name + ".weight"].T
     if GROUP is not None and summed and SPLIT.get(name.split(".")[-1]) == -1:  # o, down, out
-        y = mx.distributed.all_sum(y, group=GROUP)
+        y = mx.distributed.all_sum(y, group=GROUP)                    # (L, out)
     return y
 
 # ═══ Step 1. Tokenize — text becomes ids, numbers in the model's own dictionary ═══
@@ -350,8 +350,8 @@ if __name__ == "__main__" and "__file__" in globals() and "\ndef main(" not in P
         __file__).read_text(encoding="utf-8"):
     article()
 
-# ═══ Part II — what the article leaves out, the model side: from quantised weights to experts ═══
-# ═══ Quantised weights — numbers in 2 to 8 bits, a scale and a bias for each group of them ═══
+# ═══ Part II — what the article leaves out, the model side: from quantised weights to YaRN ═══
+# ═══ Quantised weights — numbers in 2-6 or 8 bits, a scale and a bias for each group of them ═══
 def dequantize(packed, scales, biases, bits):
     """MLX's affine quantisation undone: a row of packed (uint32) is a little-endian stream of
     bits-bit integers q, and each group of them shares a scale and a bias: w = scale * q + bias,
@@ -407,14 +407,14 @@ def gated_queries(x, layer_idx, positions):
     k = linear(x, p + "k_proj").reshape(L, -1, D_HEAD)                # (L, 2, 256)
     v = linear(x, p + "v_proj").reshape(L, -1, D_HEAD)                # (L, 2, 256)
     q = rms_norm(q, W[p + "q_norm.weight"], EPS)                      # QK-norm, as in Step 5
-    k = rms_norm(k, W[p + "k_norm.weight"], EPS)
+    k = rms_norm(k, W[p + "k_norm.weight"], EPS)                      # (L, 2, 256) QK-norm
     rope = rope_tables(positions, x.dtype, r)                         # (L, 1, 2, 32) each
     q = mx.concatenate([apply_rope(q[..., :r], *rope), q[..., r:]], axis=-1)  # (L, 8, 256)
     k = mx.concatenate([apply_rope(k[..., :r], *rope), k[..., r:]], axis=-1)  # (L, 2, 256)
     return q, k, v, gate.reshape(L, -1)
 
 def l2_norm(x, eps=1e-6):  # x (..., n) -> x / |x| along the last axis, length 1; in float32
-    x32 = x.astype(mx.float32)
+    x32 = x.astype(mx.float32)                                        # (..., n) float32
     return x32 * mx.rsqrt(mx.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
 def gated_delta_net(x, layer_idx, cache, notes=None):
@@ -460,7 +460,7 @@ def delta_memory(cache, layer_idx, qkv, beta, decay, notes=None):
     conv = W[p + "conv1d.weight"]                                     # (6144, 4) a filter each
     qkv = sum(window[..., j:j + L, :] * conv[:, j] for j in range(width))  # (L, 6144)
     qkv = qkv * mx.sigmoid(qkv)                                       # (L, 6144) SiLU
-    q, k, v = mx.split(qkv, [hk * dk, 2 * hk * dk], axis=-1)
+    q, k, v = mx.split(qkv, [hk * dk, 2 * hk * dk], axis=-1)          # (L, 2048) each
     q = l2_norm(q.reshape(*batch, L, hk, dk)) / math.sqrt(dk)          # (L, 16, 128) |q| = dk^-1/2
     k = l2_norm(k.reshape(*batch, L, hk, dk))                          # (L, 16, 128) |k| = 1
     # Value head h reads key head h // (hv / hk): each key head repeated for its value heads.
@@ -513,7 +513,7 @@ def hidden_pass(token_ids, cache, start, last_x=None, chunk=CHUNK):
     for i in range(0, len(token_ids), chunk):
         blocks = []
         forward(token_ids[i:i + chunk], cache, start + i, blocks)  # its logits are never computed
-        chunks.append(rms_norm(blocks[-1], W["model.norm.weight"], EPS))
+        chunks.append(rms_norm(blocks[-1], W["model.norm.weight"], EPS))  # (chunk, 1024)
         mx.eval(chunks[-1], cache)
     if last_x is not None:
         last_x.extend(x[-1:] for x in blocks)
@@ -534,7 +534,7 @@ class PromptLookup:
             for i in range(len(ids) - n - 1, -1, -1):
                 if ids[i:i + n] == ids[-n:]:
                     return mx.array(ids[i + n:i + n + self.n_draft], mx.uint32)
-        return mx.array([], mx.uint32)
+        return mx.array([], mx.uint32)                                # (0,) none
 
 class MTPDrafter:
     """Qwen3.5's MTP head as a drafter, with its own KV cache from position start. It reads
@@ -592,16 +592,16 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, drafter=None, cac
             yield token
             return
         # Draft: ids guessed to follow token, lazy, never past the end.
-        drafts = drafter.draft(history, token, hidden)[:end - pos - 1]  # (K,)
+        guessed = drafter.draft(history, token, hidden)[:end - pos - 1]  # (K,)
         # Verify: the model over token and the drafts, in one pass.
-        ids = mx.concatenate([mx.array([token], mx.uint32), drafts])  # (1 + K,)
-        logits, choices, hidden, notes = verify_pass(ids, cache, pos, sampler)
-        finite = mx.isfinite(logits).all(axis=-1).tolist()            # (1 + K,) each row's
-        drafts, choices = drafts.tolist(), choices.tolist()
+        ids = mx.concatenate([mx.array([token], mx.uint32), guessed])  # (1 + K,)
+        logits, chose, hidden, notes = verify_pass(ids, cache, pos, sampler)  # chose: (1 + K,)
+        rows_finite = mx.isfinite(logits).all(axis=-1).tolist()       # (1 + K,) each row's
+        drafts, choices = guessed.tolist(), chose.tolist()            # ids, as lists
         # Accept: the drafts the model chose too, up to the first it did not (or an EOS). Each
         # id is yielded with the cache as generate() leaves it, wherever the caller stops: each
-        # DeltaNet at its notes after that id, a KV cache's later positions
-        # written over before anything reads them.
+        # DeltaNet at its notes after that id, a KV cache's later positions written over before
+        # anything reads them.
         n = 0
         while n < len(drafts) and choices[n] == drafts[n] and drafts[n] not in EOS_IDS:
             n += 1
@@ -610,12 +610,12 @@ def generate_draft(prompt_ids, max_tokens=100, sampler=sample, drafter=None, cac
         history += [token] + drafts[:n]
         hidden = hidden[:n + 1]                                       # (1 + n, 1024) h_pos..
         for j, emitted in enumerate([token] + drafts[:n]):  # drafts[j - 1]: row j - 1's choice
-            if j and not finite[j - 1]:
+            if j and not rows_finite[j - 1]:
                 raise not_finite(f"at position {pos + j}", logits.dtype)
             for i, after_each in notes.items():
                 cache[i] = after_each[j]
             yield emitted
-        pos, token, logits, finite = pos + n + 1, choices[n], logits[n], finite[n]
+        pos, token, logits, finite = pos + n + 1, choices[n], logits[n], rows_finite[n]
 
 # ═══ Batching — several sequences share every weight read; a finished one makes room ═══
 # Decoding one token reads every weight for one row: the machine waits on memory; B rows cost
@@ -673,7 +673,7 @@ def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     values = mx.put_along_axis(values, slots, v.swapaxes(1, 2), axis=2)  # (B, 8, room, 128)
     cache[layer_idx] = (keys, values)
     out = attend_batch(q, keys[:, :, :S], values[:, :, :S], visible)  # (B, L, H * hd)
-    return out.reshape(B * L, -1)
+    return out.reshape(B * L, -1)                                     # (B * L, 2048)
 
 def attend_batch(q, k, v, visible):
     """Step 5's attend() on B rows: a batch axis in front of each argument and each line. It is
@@ -707,7 +707,7 @@ def forward_rows(token_ids, cache, starts):
     return lm_head(x).reshape(B, L, -1)                               # (B, L, 151936)
 
 def forward_batch(token_ids, cache, starts):  # one id of each row (B,) -> logits (B, vocab)
-    return forward_rows(token_ids[:, None], cache, starts)[:, -1]
+    return forward_rows(token_ids[:, None], cache, starts)[:, -1]     # (B, vocab)
 
 def prefill_rows(prompts):
     """Step 9's prefill() side by side, all but each last id -> a cache, a slot each. Qwen3's
@@ -731,12 +731,17 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
     while waiting or slots:
         joining = []
         while waiting and (None in slots or len(slots) < batch_size):  # a free slot: a prompt
-            row, b = waiting.pop(0), slots.index(None) if None in slots else len(slots)
-            slots[b:b + 1] = [row]
+            if None in slots:  # one a sequence left
+                b = slots.index(None)
+                slots[b] = waiting.pop(0)
+            else:  # a new one at the end
+                b = len(slots)
+                slots.append(waiting.pop(0))
             joining.append(b)
         prefills = {}  # slot numbers prefilled side by side: Qwen3's all, Qwen3.5's by length
-        for b in joining:
-            prefills.setdefault(len(slots[b].ids) if MODEL == "qwen3_5" else 0, []).append(b)
+        for b in joining:  # (a DeltaNet's notes cannot be padded: its rows of one length each)
+            length = len(slots[b].ids) if MODEL == "qwen3_5" else 0
+            prefills.setdefault(length, []).append(b)
         for numbers in prefills.values():
             take_slots(cache, numbers, prefill_rows([slots[b].ids for b in numbers]))
         # A joining row's last id rides in the next batch pass at its own position: that row's
@@ -749,7 +754,7 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
             return
         room = -(-(max(slots[b].pos for b in live) + 1) // GROW) * GROW  # the next pass's buffer
         buffered = max([entry[0].shape[2] for i, entry in enumerate(cache)
-                    if entry is not None and not deltanet(i)], default=0)
+                        if entry is not None and not deltanet(i)], default=0)
         if len(live) < len(slots) or buffered > room:
             cache[:] = [trimmed(entry, i, mx.array(live), room) for i, entry in enumerate(cache)]
             slots = [slots[b] for b in live]
@@ -760,9 +765,10 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
             logits = forward_batch(tokens, cache, [row.pos for row in slots])  # (B, vocab)
             upcoming, finite = sampler(logits), mx.isfinite(logits).all(axis=-1)  # (B,) each
             mx.async_eval(upcoming, finite)
-        for b, row, token, ok in zip(range(len(slots)), slots, tokens.tolist(), checks.tolist()):
-            token = None if row.pos == len(row.ids) - 1 else token    # its prompt's own last id
-            if token is not None and not ok:
+        ids, oks = tokens.tolist(), checks.tolist()
+        for b, row in enumerate(slots):
+            token = ids[b] if row.pos >= len(row.ids) else None  # None: its prompt's last id
+            if token is not None and not oks[b]:
                 raise not_finite(f"of prompt {row.i + 1}", logits.dtype)
             if token is not None and token not in EOS_IDS:
                 yield row.i, token
@@ -771,7 +777,7 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
                 if ended is not None:
                     ended.append((row.i, row.pos))  # its positions before its last id
             else:
-                row.token, row.finite = upcoming[b], finite[b]
+                row.token, row.finite = upcoming[b], finite[b]        # () each
                 row.pos += 1
 
 # ═══ Several machines — each process holds 1/N of every block; 2 sums a block join them ═══
@@ -801,11 +807,11 @@ def shard(name, w, group, qwen35):
     segments = [w]  # rows of parts one after another are cut part by part
     if module in ("in_proj_qkv", "conv1d"):  # q, k and v: each cut by heads
         keys = qwen35["linear_num_key_heads"] * qwen35["linear_key_head_dim"]  # 2048
-        segments = mx.split(w, [keys, 2 * keys], axis=axis)
+        segments = mx.split(w, [keys, 2 * keys], axis=axis)           # 3 x (2048, 1024)
     elif "gate_up_proj" in (module, leaf):  # each expert's gate, then its up
-        segments = mx.split(w, 2, axis=axis)
+        segments = mx.split(w, 2, axis=axis)                          # 2 x (128, 768, 2048)
     cut = mx.concatenate([mx.split(s, n, axis=axis)[r] for s in segments], axis=axis)   # 1/N
-    cut = mx.contiguous(cut)
+    cut = mx.contiguous(cut)                                          # 1/N of it
     mx.eval(cut)
     return cut
 
@@ -838,9 +844,9 @@ def moe(x, layer_idx, routes=None):
         s = p + "shared_expert."
         h = swiglu(linear(x, s + "gate_proj"), linear(x, s + "up_proj"))  # (L, 512)
         gate = mx.sigmoid(linear(x, p + "shared_expert_gate"))         # (L, 1)
-        y = y + gate * linear(h, s + "down_proj", summed=False)
+        y = y + gate * linear(h, s + "down_proj", summed=False)       # (L, 2048)
     if GROUP is not None:  # several processes: each holds part of every expert, added once
-        y = mx.distributed.all_sum(y, group=GROUP)
+        y = mx.distributed.all_sum(y, group=GROUP)                    # (L, 2048)
     return y
 
 def experts(x, chosen, p):
@@ -874,7 +880,7 @@ def gathered(x, name, picks, order):
         # of the layer's each time (slow; --dtype float32 keeps them so).
         y = mx.gather_mm(x.astype(mx.float32), w.swapaxes(-1, -2).astype(mx.float32),
                          rhs_indices=picks, sorted_indices=in_order)
-        return y.astype(x.dtype)
+        return y.astype(x.dtype)                                      # (..., 1, out)
     return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=picks, sorted_indices=in_order)
 
 # ═══ Long context — YaRN: RoPE's slow clock hands slowed further, to reach past training ═══
@@ -882,8 +888,9 @@ def gathered(x, name, picks, order):
 # them; past that, their angles are new to it. YaRN (Peng et al. 2023) divides those pairs'
 # frequencies by factor, so that 4 x 32,768 positions turn them no further than training did,
 # keeps the fast pairs (they went round many times), blends those between on a ramp, and scales
-# cos and sin (so q k) by 0.1 ln(factor) + 1, the softmax's sharpness back. It is static: short
-# texts are turned so too, which Qwen says costs them a little: use it only for long ones.
+# cos and sin by 0.1 ln(factor) + 1 (so q and k each, q k by its square), the softmax's sharpness
+# back. It is static: short texts are turned so too, which Qwen says costs them a little: use
+# it only for long ones.
 def yarn(freqs):
     """RoPE's frequencies f_i (half,) -> YaRN's, and the scale of cos and sin, as transformers
     computes them from rope_scaling's factor, original_max_position_embeddings, beta_fast (32),
@@ -1174,7 +1181,7 @@ def cpu_streams(n):  # n CPU streams, made once: MLX keeps a thread for each as 
 
 # ═══ Part IV — The program, read top-down from main() ═══
 import argparse, errno, re, shlex, signal, socket, threading, warnings  # noqa: E401, E402
-from contextlib import contextmanager  # noqa: E402
+from contextlib import contextmanager, redirect_stdout  # noqa: E402
 from tokenizers.decoders import DecodeStream  # noqa: E402
 from tqdm import tqdm  # noqa: E402 (installed with huggingface_hub, with tokenizers)
 
@@ -1360,35 +1367,20 @@ def summary(folder, cfg):
 # ─── One answer, and its statistics ───
 
 def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, chunk=CHUNK):
-    """One completion: --explain or --show-probs, then the text as it comes (after echo) and the
-    statistics (--quiet: the text alone) -> generated, the new ids, each added as it is printed.
-    keep: (position, list): the list is given the cache as it is at that position of the prompt;
-    chunk: the prompt's passes' (prefill()'s, and --draft's)."""
+    """One completion: the prompt read in, --explain or --show-probs, then the text as it comes
+    (after echo) and the statistics (--quiet: the text alone) -> generated, the new ids, each
+    added as it is printed. keep: (position, list): the list is given the cache as it is at that
+    position of the prompt; chunk: the prompt's passes' (prefill()'s, and --draft's)."""
     held = start + len(prompt_ids)
     if held >= MAX_POS:
         raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
     if held + args.max_tokens > MAX_POS:
-        print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
+        note(f"generation stops at the context limit, {MAX_POS} tokens")
     mx.reset_peak_memory()  # each answer's peak its own (a chat's earlier turns, --explain's)
     blocks = [] if args.explain else None  # x after each block, for --explain
     before = list(cache)  # as it is at start, for --explain's pass (the run writes cache)
     counts, tic = {}, time.perf_counter()  # counts: what --draft drafted, accepted, passes
-    mark, saved = keep or (start, None)  # the prompt in two parts, the cache kept between
-    earlier, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
-    hidden = hidden_pass(earlier, cache, start, chunk=chunk) if args.draft and earlier else None
-    if earlier and not args.draft:
-        prefill(earlier, cache, start, chunk=chunk)                   # its logits never computed
-    # Kept at the mark: a DeltaNet state is a new array at every token; the KV buffers are
-    # written over after the mark, before anything reads them.
-    if saved is not None:
-        mx.eval(cache)
-        saved[:] = list(cache)
-    if args.draft:  # every token's hidden state kept, for the MTP head
-        more = hidden_pass(rest, cache, mark, blocks, chunk)          # (L, 1024)
-        hidden = more if hidden is None else mx.concatenate([hidden, more])
-        logits = linear(hidden[-1:], "lm_head")[-1]                   # (vocab,)
-    else:
-        logits = prefill(rest, cache, mark, blocks, chunk)            # (vocab,)
+    logits, hidden = read_prompt(prompt_ids, args.draft, cache, start, keep, blocks, chunk)
     if args.explain or args.show_probs:  # their own time is kept off the prompt's clock
         mx.eval(logits)
         paused = time.perf_counter()
@@ -1416,18 +1408,8 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
     if args.quiet:
         print(flush=True)
     else:
-        rate = print_stats(len(prompt_ids), len(generated), tic, t_first or time.perf_counter(),
-                           cache, held, counts.get("passes"), args.draft == "mtp")
-    if args.explain and not args.quiet:  # the limit decoding works against: what memory moves
-        speed = bandwidth()
-        print(f"Memory: this machine reads {speed / 1e9:.1f} GB/s (268 MB already in memory, "
-              f"the best of 5): decoding read {100 * rate / speed:.1f}% of it", flush=True)
-    if args.draft and not args.quiet:  # after mlx-lm's lines: what drafting did
-        by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
-        share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
-        print(f"Draft: {counts['drafted']} tokens drafted by {by}, {counts['accepted']} accepted"
-              f"{share}: {len(generated)} tokens in {counts['passes']} passes of the model",
-              flush=True)
+        stats_after(args, len(prompt_ids), generated, tic, t_first or time.perf_counter(), cache,
+                    held, counts)
     if args.explain:  # after the statistics: their times are the answer's alone
         try:
             answer_forming(prompt_ids, generated, before, start, args.lens_tokens,
@@ -1436,6 +1418,45 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
             if not args.chat:  # a plain run ends at Ctrl-C; a chat keeps the answer and cache
                 raise
     return generated
+
+def read_prompt(prompt_ids, draft, cache, start, keep, blocks, chunk):
+    """The prompt through the model into cache (reply()'s keep, blocks, chunk) -> its last
+    logits (vocab,), and with --draft every token's hidden state (L, D) (else None)."""
+    mark, saved = keep or (start, None)  # the prompt in two parts, the cache kept between
+    earlier, rest = prompt_ids[:mark - start], prompt_ids[mark - start:]
+    hidden = hidden_pass(earlier, cache, start, chunk=chunk) if draft and earlier else None
+    if earlier and not draft:
+        prefill(earlier, cache, start, chunk=chunk)                   # its logits never computed
+    # Kept at the mark: a DeltaNet state is a new array at every token; the KV buffers are
+    # written over after the mark, before anything reads them.
+    if saved is not None:
+        mx.eval(cache)
+        saved[:] = list(cache)
+    if not draft:
+        return prefill(rest, cache, mark, blocks, chunk), None        # (vocab,)
+    more = hidden_pass(rest, cache, mark, blocks, chunk)              # (L, 1024) every token's
+    hidden = more if hidden is None else mx.concatenate([hidden, more])
+    return linear(hidden[-1:], "lm_head")[-1], hidden                 # (vocab,), (L, 1024)
+
+def stats_after(args, n_prompt, generated, tic, t_first, cache, held, counts):
+    """After the text: mlx-lm's statistics and ours (print_stats()), then with --explain what
+    memory moves, with --draft what drafting did."""
+    rate = print_stats(n_prompt, len(generated), tic, t_first, cache, held,
+                       counts.get("passes"), args.draft == "mtp")
+    if args.explain:  # the limit decoding works against: what memory moves
+        speed = bandwidth()
+        print(f"Memory: this machine reads {speed / 1e9:.1f} GB/s (268 MB already in memory, "
+              f"the best of 5): decoding read {100 * rate / speed:.1f}% of it", flush=True)
+    if args.draft:  # after mlx-lm's lines: what drafting did
+        by = "the MTP head" if args.draft == "mtp" else "prompt lookup"
+        share = f" ({counts['accepted'] / counts['drafted']:.0%})" if counts["drafted"] else ""
+        print(f"Draft: {counts['drafted']} tokens drafted by {by}, {counts['accepted']} accepted"
+              f"{share}: {len(generated)} tokens in {counts['passes']} passes of the model",
+              flush=True)
+
+def note(text):  # a line on stderr, said once (several processes: by rank 0)
+    if GROUP is None or GROUP.rank() == 0:
+        print(f"[note: {text}]", file=sys.stderr)
 
 def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
     return partial(sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -1515,7 +1536,7 @@ def reply_batch(texts, prompts, args):
     completion after its prompt, in the prompts' order (--quiet: the completions alone); at a
     terminal, a progress line meanwhile; then the batch's statistics."""
     if max(len(ids) for ids in prompts) + args.max_tokens > MAX_POS:
-        print(f"[note: generation stops at the context limit, {MAX_POS} tokens]", file=sys.stderr)
+        note(f"generation stops at the context limit, {MAX_POS} tokens")
     mx.reset_peak_memory()  # the batch's own peak
     tic, done, ended = time.perf_counter(), [[] for _ in prompts], []
     tokens = generate_batch(prompts, args.max_tokens, sampler_of(args), args.batch_size, ended)
@@ -1673,9 +1694,10 @@ def load_checked(model_dir, dtype=None, group=None):
     cfg["group"] = group if group is not None and group.size() > 1 else None
     if cfg["group"]:  # before any weight is read
         check_split(cfg, group.size())
+    resident = mx.get_active_memory()  # (a model loaded before, still held: not this load's)
     mx.reset_peak_memory()  # the load's own peak: summary() says it for a mixture of experts
     weights = read_weights(folder, cfg, dtype)  # each tensor the model uses, of its right shape
-    cfg["load_peak"] = mx.get_peak_memory()
+    cfg["load_peak"] = mx.get_peak_memory() - resident
     tok = read_tokenizer(folder, cfg)  # every id a row of the embedding
     if not (folder / "generation_config.json").exists():  # the article's four files: Qwen3's EOS
         cfg["eos_ids"] |= {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")} - {None}
@@ -1846,8 +1868,8 @@ def checked_yarn(scaling, path, entry="rope_scaling"):
     default the second differently), the rest as transformers defaults them. Any other scaling:
     a UserError."""
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    if scaling is None or kind == "default":  # (the plain RoPE, said so)
-        return {}
+    if scaling is None or isinstance(scaling, dict) and kind in (None, "default"):
+        return {}  # the plain RoPE: said so, or no type said ({} too), as transformers reads it
     if kind != "yarn":
         raise UserError(f"{path}: {entry} is {shown_json(scaling)}: this script runs YaRN "
                         '("rope_type": "yarn") alone of the scaled RoPEs')
@@ -1942,13 +1964,15 @@ def stack_experts(weights, cfg, folder):
         switch = [f"{p}switch_mlp.{m}_proj" for m in ("gate", "up", "down")]
         for part in ("", ".scales", ".biases") if any(m + ".weight" in weights for m in switch) \
                 else []:  # MLX's conversion: stacked already (E, rows, packed columns)
-            found = [weights.pop(m + (part or ".weight"), None) for m in switch]
+            gate, up, down = found = [weights.pop(m + (part or ".weight"), None) for m in switch]
             lost = [m + (part or ".weight") for m, w in zip(switch, found) if w is None]
-            if 0 < len(lost) < 3:  # (none of the three: not quantised, or checked later)
+            # Each weight is needed; scales and biases, for gate and up alike (one tensor here),
+            # and down's on its own: mlx-lm leaves a projection too narrow for a group unpacked.
+            if lost and (not part or (gate is None) != (up is None)):
                 raise UserError(f"tensor {lost[0]} is missing in {folder}")
-            if not lost:
-                gate, up, down = found
+            if gate is not None:
                 weights[p + "experts.gate_up_proj" + part] = mx.concatenate([gate, up], axis=1)
+            if down is not None:
                 weights[p + "experts.down_proj" + part] = down
         if p + "experts.0.gate_proj.weight" in weights:  # Hugging Face's Qwen3-MoE: one each
             each = {"gate": (i, d), "up": (i, d), "down": (d, i)}
@@ -2333,12 +2357,8 @@ def rank_zero_prints(group):
     if group.rank() == 0:
         yield
         return
-    stdout, sys.stdout = sys.stdout, open(os.devnull, "w")
-    try:
+    with open(os.devnull, "w") as nowhere, redirect_stdout(nowhere):
         yield
-    finally:
-        sys.stdout.close()
-        sys.stdout = stdout
 
 def shared_seed(group):  # each process seeds itself at random: every rank takes rank 0's seed
     mine = int.from_bytes(os.urandom(3), "little") if group.rank() == 0 else 0
