@@ -1419,6 +1419,10 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
                 raise
     return generated
 
+def note(text):  # a line on stderr, said once (several processes: by rank 0)
+    if GROUP is None or GROUP.rank() == 0:
+        print(f"[note: {text}]", file=sys.stderr)
+
 def read_prompt(prompt_ids, draft, cache, start, keep, blocks, chunk):
     """The prompt through the model into cache (reply()'s keep, blocks, chunk) -> its last
     logits (vocab,), and with --draft every token's hidden state (L, D) (else None)."""
@@ -1438,6 +1442,16 @@ def read_prompt(prompt_ids, draft, cache, start, keep, blocks, chunk):
     hidden = more if hidden is None else mx.concatenate([hidden, more])
     return linear(hidden[-1:], "lm_head")[-1], hidden                 # (vocab,), (L, 1024)
 
+def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
+    return partial(sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                   min_p=args.min_p)
+
+def stream_text(token_ids):
+    """Yield (id, the text it adds). A character split over two tokens (emoji, CJK) comes whole."""
+    stream = DecodeStream(skip_special_tokens=False)
+    for token in token_ids:
+        yield token, stream.step(TOK, token) or ""
+
 def stats_after(args, n_prompt, generated, tic, t_first, cache, held, counts):
     """After the text: mlx-lm's statistics and ours (print_stats()), then with --explain what
     memory moves, with --draft what drafting did."""
@@ -1453,20 +1467,6 @@ def stats_after(args, n_prompt, generated, tic, t_first, cache, held, counts):
         print(f"Draft: {counts['drafted']} tokens drafted by {by}, {counts['accepted']} accepted"
               f"{share}: {len(generated)} tokens in {counts['passes']} passes of the model",
               flush=True)
-
-def note(text):  # a line on stderr, said once (several processes: by rank 0)
-    if GROUP is None or GROUP.rank() == 0:
-        print(f"[note: {text}]", file=sys.stderr)
-
-def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
-    return partial(sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                   min_p=args.min_p)
-
-def stream_text(token_ids):
-    """Yield (id, the text it adds). A character split over two tokens (emoji, CJK) comes whole."""
-    stream = DecodeStream(skip_special_tokens=False)
-    for token in token_ids:
-        yield token, stream.step(TOK, token) or ""
 
 def print_stats(n_prompt, n, tic, t_first, cache, held, passes=None, mtp=False):
     """mlx_lm.generate's lines, counted as it counts (the prompt's rate: to the first token; the
