@@ -1757,14 +1757,18 @@ QWEN35_CONFIG = {  # Qwen3.5's own config.json entries (in its text_config) -> t
     "linear_conv_kernel_dim": "count", "partial_rotary_factor": "share",
     "mtp_num_hidden_layers": "mtp"}
 
-UNSUPPORTED = {  # config.json entries that change the math -> (the value computed here, else what)
-    "n_group": (None, "grouped routing (experts chosen within groups)"),
-    "topk_group": (None, "grouped routing (experts chosen within groups)"),
-    "scoring_func": ("softmax", "a router scored other than by a softmax"),
-    "attention_bias": (False, "biases in the attention projections"),
-    "hidden_act": ("silu", "an activation other than SiLU"),
-    "use_sliding_window": (False, "sliding-window attention"),
-    "quantization_config": (None, "weights quantised in this format")}
+UNSUPPORTED = {  # config.json entries that change the math -> (the values computed here, else what)
+    "n_group": ((None,), "grouped routing (experts chosen within groups)"),
+    "topk_group": ((None,), "grouped routing (experts chosen within groups)"),
+    "scoring_func": (("softmax",), "a router scored other than by a softmax"),
+    "attention_bias": ((False,), "biases in the attention projections"),
+    "hidden_act": (("silu",), "an activation other than SiLU"),
+    "use_sliding_window": ((False,), "sliding-window attention"),
+    "quantization_config": ((None,), "weights quantised in this format"),
+    # A DeltaNet's output gate (newer Qwen's configs; Megatron's name): SiLU here, swish by name
+    "output_gate_type": (("swish", "silu"), "a DeltaNet output gate other than SiLU (swish)"),
+    "linear_attention_output_gate_activation": (("swish", "silu"),
+                                                "a DeltaNet output gate other than SiLU (swish)")}
 
 def fits(value, kind, cfg):
     """Does a config value have the kind CONFIG names? cfg: its entries checked so far."""
@@ -1848,7 +1852,7 @@ def check_the_math(cfg, path, model_type):
         raise UserError(f"{path}: norm_topk_prob is {shown_json(cfg['norm_topk_prob'])}: "
                         "Qwen3.5-MoE's top k are renormalised (transformers has no such entry)")
     for name, (computed, other) in UNSUPPORTED.items():
-        if cfg.get(name, computed) != computed:
+        if name in cfg and cfg[name] not in computed:
             raise UserError(f"{path}: {name} is {shown_json(cfg[name])}: this script does not run "
                             f"{other}")
 
@@ -2304,7 +2308,7 @@ def check_split(cfg, n):
             sizes["shared expert features"] = moe_cfg["shared_expert_intermediate_size"]
     if qwen35:
         sizes.update({"DeltaNet key heads": qwen35["linear_num_key_heads"],
-                       "DeltaNet value heads": qwen35["linear_num_value_heads"]})
+                      "DeltaNet value heads": qwen35["linear_num_value_heads"]})
     wrong = [f"{count} {what}" for what, count in sizes.items() if count % n]
     inputs = [sizes["query heads"] * hd] + [sizes[what] for what in sizes if "features" in what]
     if qwen35:  # (o_proj, down_proj and out_proj read the inputs cut)
@@ -2318,7 +2322,7 @@ def check_split(cfg, n):
                         "(mlx.launch -n: a smaller number)")
 
 def all_ranks_agree(group, check, *args):
-    """step(*args) -> its result. Several processes: each rank's UserError counted in one all_sum,
+    """check(*args) -> its result. Several processes: each rank's UserError counted in one all_sum,
     so that all go on or all end; an error every rank met is said once (rank 0), one rank's own
     with its rank in front, and every line is out before any rank ends (mlx.launch ends the rest
     when one ends with an error)."""

@@ -164,6 +164,48 @@ def test_a_4bit_conversion_with_its_8bit_router(qwen3_moe, qwen35_moe, tokenizer
         assert rel_err(li.forward(ids, [None] * li.N_LAYERS, 0), mlx_lm_logits(out, ids)) < 1e-4
 
 
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen35_moe"])
+def test_a_4bit_conversion_that_leaves_narrow_experts_unquantised(qwen3_moe, qwen35_moe, tokenizer,
+                                                                  tmp_path, model):
+    """mlx_lm convert, 4 bits in groups of 64, of mixtures whose experts are 32 features wide
+    (moe_intermediate_size 32): mlx-lm quantises a layer only where its input width is a multiple
+    of the group (mlx_lm/utils.py, quantize_model(): `module.weight.shape[-1] % group_size != 0`
+    -> not quantised), so each block's switch_mlp.down_proj (input 32) stays float32 beside its
+    packed gate_proj and up_proj (input 64), and so does Qwen3.5's DeltaNet out_proj (input 4 x
+    24 = 96). config.json names none of this: "quantization" holds the default (4 bits, groups
+    of 64) and the routers' (and shared expert gates') 8-bit entries only; mlx-lm's loader
+    quantises a layer where its .scales are stored (utils.py, _quantize()'s class_predicate).
+    Ours runs the folder, and equals mlx-lm on the same weights: logits within 1e-4 (float32
+    activations, the same packed products: summation order, measured ~1e-6 in
+    test_a_4bit_conversion_with_its_8bit_router) and the same greedy tokens."""
+    from mlx_lm.convert import convert
+    from test_model import mlx_lm_greedy
+    source = qwen3_moe() if model == "qwen3_moe" else qwen35_moe(mtp=False)
+    out = tmp_path / "q4g64"
+    convert(str(source), str(out), quantize=True, q_group_size=64, q_bits=4)
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert {k: quant[k] for k in ("group_size", "bits", "mode")} == {"group_size": 64, "bits": 4,
+                                                                   "mode": "affine"}
+    per_layer = {k: v for k, v in quant.items() if isinstance(v, dict)}
+    assert per_layer and all(v == {"group_size": 64, "bits": 8} for v in per_layer.values())
+    assert all(k.endswith(("mlp.gate", "mlp.shared_expert_gate")) for k in per_layer), per_layer
+    stored = mx.load(str(out / "model.safetensors"))
+    p = "model.layers.0.mlp.switch_mlp." if model == "qwen3_moe" else \
+        "language_model.model.layers.0.mlp.switch_mlp."
+    assert stored[p + "down_proj.weight"].dtype == mx.float32
+    assert p + "down_proj.scales" not in stored
+    assert stored[p + "gate_proj.weight"].dtype == mx.uint32 and p + "gate_proj.scales" in stored
+    ids = tokenizer.encode(TEXT).ids
+    li.load_checked(out)
+    assert li.W["model.layers.0.mlp.experts.gate_up_proj"].dtype == mx.uint32
+    assert li.W["model.layers.0.mlp.experts.down_proj"].shape == (8, 64, 32)  # as stored: whole
+    assert rel_err(li.forward(ids, [None] * li.N_LAYERS, 0), mlx_lm_logits(out, ids)) < 1e-4
+    greedy, _, _ = mlx_lm_greedy(out, ids, 12)
+    assert list(li.generate(ids, max_tokens=12)) == greedy[:len(list(li.generate(ids, 12)))]
+    r = run_cli("--model", str(out), "-m", "3")
+    assert r.returncode == 0, r.stderr
+
+
 def test_a_batch_is_each_row_alone(qwen3_moe, qwen35_moe, tokenizer):
     prompts = [tokenizer.encode(t).ids for t in ["The capital of France is", "Once upon a time",
                                                  "Emoji: 😀 👍🏽", TEXT]]
@@ -255,6 +297,48 @@ def test_load_holds_the_model_once(qwen3_moe, tmp_path):
     assert total < peak < total + 2 * block + 1e6, (peak, total, block)
     assert f", {cfg['load_peak'] / 1e9:.2f} GB at most while loading, float32" in li.summary(folder, cfg)
 
+
+LOAD_TWICE = """
+import json, sys
+sys.path.insert(0, {root!r})
+import llm_inference as li
+folder = sys.argv[1]
+first = li.load_checked(folder)
+model = sum(w.nbytes for w in {{id(w): w for w in li.W.values()}}.values())  # (no array kept)
+block = sum(w.nbytes for name, w in li.W.items() if name.startswith("model.layers.0.mlp.experts."))
+second = li.load_checked(folder)  # the first model still held (li.W) until this one is in place
+print(json.dumps({{"first": first["load_peak"], "second": second["load_peak"], "model": model,
+                  "block": block, "line": li.summary(folder, second)}}))
+"""
+
+
+def test_a_second_load_does_not_count_the_first_model(qwen3_moe, tmp_path):
+    """load_checked() twice in one process (a notebook's, a test run's): the second load's "at
+    most while loading" (cfg["load_peak"], said on a mixture's model line) is its own, not it
+    plus the first model's bytes (still held in li.W while the second is read). In a fresh
+    process (nothing of MLX's held before the first load) the two loads read the same files
+    through the same steps, so their figures agree but for the order in which MLX evaluates and
+    frees the lazily read tensors: measured, the peak moves run to run in steps of one expert
+    tensor (2.1 MB), up to 3 of them (a block's experts, 6.3 MB). The tolerance, 2 blocks'
+    experts (12.6 MB), is twice that, and under half the slip's error: the first model, 38.8 MB
+    (measured: 32 to 39 MB added)."""
+    import subprocess
+    import sys
+    from test_cli_errors import ROOT
+    folder = qwen3_moe(num_experts=64, moe_intermediate_size=128, num_hidden_layers=6)
+    driver = tmp_path / "twice.py"
+    driver.write_text(LOAD_TWICE.format(root=str(ROOT)))
+    r = subprocess.run([sys.executable, str(driver), str(folder)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    first, second, model, block = got["first"], got["second"], got["model"], got["block"]
+    print(f"first {first / 1e6:.1f} MB, second {second / 1e6:.1f} MB, model {model / 1e6:.1f} MB, "
+          f"a block's experts {block / 1e6:.1f} MB")
+    assert 6 * block < model  # 6 blocks and more: the tolerance is under half a model
+    assert model <= first and model <= second  # each counts the model it reads
+    assert abs(second - first) <= 2 * block, (second - first) / 1e6
+    assert f", {second / 1e9:.2f} GB at most while loading" in got["line"]
 
 REFUSALS = [
     (dict(norm_topk_prob=None), "config.json has no 'norm_topk_prob' entry"),

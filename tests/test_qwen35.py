@@ -353,3 +353,96 @@ def test_download_by_repo_id(qwen35, tmp_path):
          "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"])
     assert r.stdout.split("==========")[1] == run_cli("--model", str(folder), "-m", "3").stdout.split(
         "==========")[1]
+
+
+# ─── The DeltaNet's output gate as config.json names it; Qwen3.6's folders ───
+# Qwen3.6-27B's text_config (model_type qwen3_5) carries "output_gate_type": "swish". Where
+# transformers reads the entry (5.25: Qwen4-Exp's configuration and modeling) it is the
+# activation of the Gated DeltaNet's output gate, norm(y) * act(z) (Qwen4ExpTextRMSNormGated:
+# ACT2FN[output_gate_type or hidden_act]); the full attention's gate is sigmoid whatever it says.
+# ACT2FN's "swish" is nn.SiLU, and "silu" the same function: what gated_delta_net() computes
+# (rms_norm(y) * silu(z)). transformers' Qwen3.5 classes do not read the entry (their gated norm
+# is silu always); Qwen4-Exp's checkpoints say "sigmoid": a gate this file does not compute.
+# Megatron-Bridge names the same setting linear_attention_output_gate_activation (its
+# provider's field, derived from output_gate_type or hidden_act).
+
+GATE_ENTRIES = ["output_gate_type", "linear_attention_output_gate_activation"]
+
+
+def with_text_config(folder, dest, **entries):
+    """A copy of a Qwen3.5 folder whose text_config has entries (None: removed)."""
+    dest = Path(shutil.copytree(folder, dest))
+    config = li.parse_json(dest / "config.json")
+    config["text_config"].update(entries)
+    config["text_config"] = {k: v for k, v in config["text_config"].items() if v is not None}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+@pytest.mark.parametrize("entry", GATE_ENTRIES)
+@pytest.mark.parametrize("value", ["swish", "silu"])
+def test_the_deltanet_gate_computed_here_runs(qwen35, tokenizer, tmp_path, entry, value):
+    """The entry naming the gate this file computes (SiLU, by either name) runs, and changes
+    nothing: the same logits as the folder without it (the same weights and code: equal)."""
+    plain = qwen35()
+    folder = with_text_config(plain, tmp_path / "gated", **{entry: value})
+    ids = tokenizer.encode(TEXT).ids
+    ref = ours_logits(plain, ids)
+    li.load_checked(folder)
+    assert mx.array_equal(li.forward(ids, [None] * li.N_LAYERS, 0), ref)
+
+
+@pytest.mark.parametrize("entry", GATE_ENTRIES)
+@pytest.mark.parametrize("value", ["sigmoid", "gelu"])
+def test_another_deltanet_gate_is_refused_in_one_line(qwen35, tmp_path, entry, value):
+    """Another gate (Qwen4-Exp's sigmoid, say) would be another model: refused before any weight
+    is read, in one line naming config.json, the entry and its value; exit status 1."""
+    folder = with_text_config(qwen35(), tmp_path / "gated", **{entry: value})
+    r = run_cli("--model", str(folder), "-m", "2")
+    assert_error(r, str(folder / "config.json"), entry, f'"{value}"')
+    assert r.returncode == 1 and r.stdout == ""
+    with pytest.raises(li.UserError):
+        li.load_checked(folder)
+
+
+def qwen36_moe(qwen35_moe, dest, tokenizer, mtp_experts):
+    """A Qwen3.6-35B-A3B-style folder from the Qwen3.5-MoE fixture: model_type qwen3_5_moe, its
+    experts one fused gate_up_proj a block (as the fixture, and Qwen3.5-MoE, store them), and
+    entries reported in Qwen3.6 config.json files: text_config's bos_token_id (35B-A3B; 3.5's has
+    none), output_gate_type "swish" (27B), pad_token_id and partial_rotary_factor beside
+    rope_parameters as well as in it; language_model_only and a newer transformers_version at
+    the top. mtp_experts: the MTP layer's experts "separate" (one tensor each, as the
+    Qwen3.5-MoE release) or "fused" (stacked as the model's)."""
+    bos = tokenizer.token_to_id("<|endoftext|>")
+    folder = with_text_config(qwen35_moe(), dest, bos_token_id=bos, pad_token_id=bos,
+                              partial_rotary_factor=0.25, output_gate_type="swish")
+    config = li.parse_json(folder / "config.json")
+    config.update(language_model_only=False, transformers_version="4.57.1")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if mtp_experts == "fused":
+        weights = dict(mx.load(str(folder / "model.safetensors")))
+        e, m = config["text_config"]["num_experts"], "mtp.layers.0.mlp.experts."
+        stacked = {p: mx.stack([weights.pop(f"{m}{n}.{p}_proj.weight") for n in range(e)])
+                   for p in ("gate", "up", "down")}
+        weights[m + "gate_up_proj"] = mx.concatenate([stacked["gate"], stacked["up"]], axis=1)
+        weights[m + "down_proj"] = stacked["down"]
+        save_weights(folder / "model.safetensors", weights, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("mtp_experts", ["separate", "fused"])
+def test_a_qwen36_moe_folder_runs(qwen35_moe, tokenizer, tmp_path, mtp_experts):
+    """Qwen3.6's mixtures are Qwen3.5-MoE's architecture and model_type (transformers' docs:
+    "Qwen3.6 checkpoints share the same architecture and model_type as Qwen3.5 and are loaded
+    with the same classes"): such a folder runs as one, its logits mlx-lm's (float32: 1e-4, as
+    test_moe's), its MTP head's mixture read (either layout), and the command line says
+    Qwen3.5-MoE."""
+    folder = qwen36_moe(qwen35_moe, tmp_path / "qwen36", tokenizer, mtp_experts)
+    ids = tokenizer.encode(TEXT).ids
+    li.load_checked(folder)
+    assert li.MODEL == "qwen3_5" and li.MOE["layers"] == list(range(li.N_LAYERS))
+    assert li.W["model.layers.4.mlp.experts.gate_up_proj"].shape == (8, 64, 64)  # the MTP head's
+    assert rel_err(li.forward(ids, [None] * li.N_LAYERS, 0), mlx_lm_logits(folder, ids)) < 1e-4
+    r = run_cli("--model", str(folder), "-m", "4", "--draft", "mtp")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Qwen3.5-MoE from ")

@@ -553,3 +553,26 @@ def test_all_sum_seconds_is_the_best_of_its_tries(monkeypatch):
     monkeypatch.setattr(li, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     assert li.all_sum_seconds(2, mx.ones((1, 4)), tries=4) == 0.25
     assert now[0] == 2.5  # 4 tries of 2 sums each, timed once each
+
+
+# ─── The context limit's note, said once ───
+
+NOTE = "[note: generation stops at the context limit, 32 tokens]"
+
+
+@pytest.mark.parametrize("prompts", [["The capital of France is"],
+                                     ["The capital of France is", "Once upon a time"]],
+                         ids=["one answer", "a batch"])
+def test_the_context_limit_note_is_said_once(checkpoint, prompts):
+    """A prompt and --max-tokens past the context (32 positions here): one process says so once on
+    stderr; under mlx.launch -n 2 every rank reaches that check, and the note comes once too (rank
+    0's), as every other line the ranks share does. The text is one process's."""
+    args = ["--model", checkpoint(max_position_embeddings=32), "-m", "100", "-q"]
+    for prompt in prompts:
+        args += ["-p", prompt]
+    one = run_cli(*map(str, args))
+    assert one.returncode == 0 and one.stderr.count(NOTE) == 1, one.stderr
+    r = launch(2, *args)
+    assert error_lines(r.stderr) == [], shown(r)
+    assert r.stdout == one.stdout, shown(r)
+    assert r.stderr.count(NOTE) == 1, shown(r)

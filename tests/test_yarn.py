@@ -306,3 +306,70 @@ def test_load_applies_yarn(checkpoint, tmp_path, form):
     assert li.MAX_POS == 128
     li.load(plain)
     assert li.YARN == {}  # a plain folder after a YaRN one: nothing left over
+
+
+# ─── 6. A scaling entry that names no kind: the plain RoPE, as transformers and mlx-lm read it
+# transformers 5.25 (modeling_rope_utils.py): convert_rope_params_to_dict() takes
+# `rope_scaling or rope_parameters`, so {} is dropped; standardize_rope_params() then sets
+# rope_type to rope_parameters.get("type", "default"), and validate_rope() checks the entry as a
+# "default" one: "factor" and the like are only warned about ("Unrecognized keys in
+# `rope_parameters` for 'rope_type'='default'"), and the model computes the plain RoPE
+# (Qwen3RotaryEmbedding.compute_default_rope_parameters: rope_theta and head_dim alone).
+# mlx-lm's initialize_rope(): no "type" or "rope_type" -> "default" -> nn.RoPE, factor unread.
+
+UNTYPED = {  # (the plain folder, the entry, its value without a kind)
+    "rope_scaling-empty": ("flat", "rope_scaling", {}),
+    "rope_scaling-factor": ("flat", "rope_scaling", {"factor": 4.0}),
+    "rope_scaling-factor-original": ("flat", "rope_scaling",
+                                     {"factor": 4.0, "original_max_position_embeddings": 32}),
+    "rope_parameters-theta": ("nested", "rope_parameters", {"rope_theta": 1000000.0}),
+    "rope_parameters-factor": ("nested", "rope_parameters", {"rope_theta": 1000000.0,
+                                                             "factor": 4.0}),
+    "qwen3_5-rope_parameters": ("qwen3_5", "rope_parameters", None),  # its own, rope_type removed
+}
+
+
+def untyped_folder(name, checkpoint, qwen35, tmp_path):
+    """-> (the plain folder, a copy whose config.json has UNTYPED[name]'s entry)."""
+    kind, entry, value = UNTYPED[name]
+    plain = qwen35() if kind == "qwen3_5" else checkpoint(rope=kind)
+    folder = Path(shutil.copytree(plain, tmp_path / "untyped"))
+    cfg = json.loads((folder / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    if value is None:  # Qwen3.5's rope_parameters (partial_rotary_factor, mrope_section) untyped
+        value = {k: v for k, v in text[entry].items() if k not in ("rope_type", "type")}
+    text[entry] = value
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return plain, folder
+
+
+@pytest.mark.parametrize("name", list(UNTYPED))
+def test_a_scaling_entry_without_a_kind_is_the_plain_rope(checkpoint, qwen35, tokenizer, tmp_path,
+                                                           name):
+    """load_checked() runs it, with the folder's own context (no YaRN, max_position_embeddings
+    as given), and computes what the same folder without the entry computes: the same logits
+    (the same weights through the same code and tables: equal, not merely close) and the same
+    greedy tokens; mlx-lm, which reads it as the plain RoPE too, agrees within TOL. Prompts run
+    past 32 positions, so that a factor applied (as YaRN's or linear scaling) would show."""
+    plain, folder = untyped_folder(name, checkpoint, qwen35, tmp_path)
+    ids = prompt_ids(tokenizer, 60)
+    li.load_checked(plain)
+    ref, ref_tokens = li.forward(ids, [None] * li.N_LAYERS, 0), list(li.generate(ids, 8))
+    li.load_checked(folder)
+    assert li.YARN == {} and li.MAX_POS == 2048
+    ours = li.forward(ids, [None] * li.N_LAYERS, 0)
+    assert mx.array_equal(ours, ref), rel_err(ours, ref)
+    assert list(li.generate(ids, 8)) == ref_tokens
+    assert rel_err(ours, mlx_lm_logits(folder, ids)) < TOL
+    li.load(folder)  # Part I's load(): the same (it hands over to load_checked() or reads it)
+    assert li.YARN == {} and mx.array_equal(li.forward(ids, [None] * li.N_LAYERS, 0), ref)
+
+
+def test_an_empty_rope_scaling_runs_from_the_command_line(checkpoint, tmp_path):
+    """The command line's view: "rope_scaling": {} is no scaling; the text is the plain
+    folder's, and the model's line says no YaRN."""
+    plain, folder = untyped_folder("rope_scaling-empty", checkpoint, None, tmp_path)
+    r, one = (run_cli("--model", str(f), "-m", "5") for f in (folder, plain))
+    assert r.returncode == 0, r.stderr
+    assert "YaRN" not in r.stdout and r.stdout.split("==========")[1] == one.stdout.split(
+        "==========")[1]
