@@ -41,9 +41,9 @@ CHUNK = 512      # a long prompt goes through the model this many tokens at a ti
 
 def use(cfg, weights, tokenizer):  # config.json's entries (and "eos_ids") -> the constants
     global W, TOK, D, N_LAYERS, N_HEADS, N_KV, D_HEAD, EPS, THETA, MAX_POS, EOS_IDS, MODEL, QWEN35
-    global MOE, YARN, GROUP
+    global MOE, YARN, GROUP, POOLS
     W, TOK, EOS_IDS, QWEN35 = weights, tokenizer, cfg["eos_ids"], cfg.get("qwen35", {})
-    MOE, YARN = cfg.get("moe", {}), cfg.get("yarn", {})
+    MOE, YARN, POOLS = cfg.get("moe", {}), cfg.get("yarn", {}), cfg.get("pools", {})
     MODEL, GROUP = cfg["model_type"], cfg.get("group")  # (one process: no group)
     D, N_LAYERS, D_HEAD = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
     N_HEADS, N_KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -838,7 +838,10 @@ def moe(x, layer_idx, routes=None):
         mix = mix / mix.sum(axis=-1, keepdims=True)                   # (L, 8) summing to 1
     if routes is not None:  # --explain's view of the experts at work
         routes.append((layer_idx, chosen, mix))
-    out = experts(x, chosen, p + "experts.")                          # (L, 8, 2048)
+    if p in POOLS:  # experts from disk (below): a pool of them in memory
+        out = streamed_experts(x, chosen, p)                          # (L, 8, 2048)
+    else:
+        out = experts(x, chosen, p + "experts.")                      # (L, 8, 2048)
     y = (out * mix[..., None].astype(out.dtype)).sum(axis=-2)         # (L, 2048)
     if p + "shared_expert_gate.weight" in W:  # Qwen3.5's: every token's, gated
         s = p + "shared_expert."
@@ -907,6 +910,130 @@ def yarn(freqs):
     ramp = mx.clip((mx.arange(half, dtype=mx.float32) - low) / (high - low or 0.001), 0, 1)
     scale = YARN.get("attention_factor") or (0.1 * math.log(factor) + 1 if factor > 1 else 1.0)
     return freqs / factor * ramp + freqs * (1 - ramp), scale          # (64,), a number
+
+# ═══ Experts from disk — a pool of slots a block; an expert not held is read when picked ═══
+# Qwen3-30B-A3B is 17 GB at 4 bits, nearly all of it experts, yet a token reads 8 of each block's
+# 128. When the weights exceed the memory they may hold (--memory; else what this machine can),
+# everything but the experts loads as before, and each mixture block keeps a pool of S slots. A
+# token's picks that no slot holds are read from the safetensors files by their byte ranges (in a
+# stacked tensor, expert e is one contiguous range; os.pread reads it) into a free slot, or the
+# one used least recently; then the gather products run over the slots, each pick renumbered to
+# its slot: the same products, so the same numbers. A token costs about its compute plus the
+# bytes it missed over the disk's read speed. The MTP head's experts stay in memory.
+POOLS = {}  # a streamed block's "model.layers.N.mlp." -> its Pool; {}: every expert in memory
+
+STORED = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32}
+
+class Pool:
+    """One mixture block's expert slots: W[name] (S, ...) for each name in spans, {name: (the
+    dtype stored, one expert's shape, [each expert's [(file, offset, bytes), ...]])}; files:
+    {file: (size, mtime) as loaded}. Counts what it found and read, for the statistics."""
+    def __init__(self, spans, files, size):
+        self.spans, self.files, self.size = spans, files, size
+        self.slot_of = {}  # expert -> slot, the least recently used first
+        self.found = self.wanted = self.bytes_read = 0
+        self.seconds = 0.0  # spent reading
+
+    def bring(self, needed):
+        """needed: expert ids, at most S -> (E,) each expert's slot (0 if not held), all of
+        needed held: each missing one read into a free slot, else the least recently used's."""
+        missing = [e for e in needed if e not in self.slot_of]
+        for e in needed:
+            if e in self.slot_of:  # found: now the most recently used
+                self.slot_of[e] = self.slot_of.pop(e)
+        self.found, self.wanted = self.found + len(needed) - len(missing), self.wanted + len(needed)
+        free = sorted(set(range(self.size)) - set(self.slot_of.values()))
+        for e in missing:
+            slot = free.pop(0) if free else self.slot_of.pop(next(iter(self.slot_of)))
+            self.read(e, slot)
+            self.slot_of[e] = slot
+        if missing:
+            mx.eval([W[name] for name in self.spans])  # written in place: the slots' buffers
+        table = [0] * len(next(iter(self.spans.values()))[2])
+        for e, slot in self.slot_of.items():
+            table[e] = slot
+        return mx.array(table)                                        # (E,)
+
+    def read(self, e, slot):  # expert e's bytes from the files into slot of each W[name]
+        tic = time.perf_counter()
+        for name, (stored, shape, spans) in self.spans.items():
+            data = b"".join(read_span(file, offset, size, self.files[file])
+                            for file, offset, size in spans[e])
+            w = mx.array(memoryview(data)).view(STORED[stored]).reshape(shape)  # an expert's
+            W[name][slot] = w.astype(W[name].dtype)
+            self.bytes_read += len(data)
+        self.seconds += time.perf_counter() - tic
+
+def read_span(file, offset, size, loaded):
+    """size bytes of file at offset; the file as it was loaded ((size, mtime)), else UserError."""
+    try:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            now = os.fstat(fd)
+            data = os.pread(fd, size, offset) if (now.st_size, now.st_mtime_ns) == loaded else b""
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise UserError(f"{file} cannot be read: {e.strerror.lower()}") from None
+    if len(data) != size:  # changed (or cut short) since the experts' places were read
+        raise UserError(f"{file} has changed since it was loaded: run again")
+    return data
+
+def streamed_experts(x, chosen, p):
+    """experts() for a streamed block: its picks read now (the reads need them), its tokens in
+    turns whose picks fit the pool, each turn's products over the slots, evaluated before the
+    next turn's reads write over them -> (L, k, D)."""
+    pool, picks = POOLS[p], chosen.tolist()                            # (L, 8) ids
+    outs, start = [], 0
+    while start < len(picks):
+        needed, end = set(picks[start]), start + 1
+        while end < len(picks) and len(needed | set(picks[end])) <= pool.size:
+            needed, end = needed | set(picks[end]), end + 1
+        slots = pool.bring(sorted(needed))[chosen[start:end]]          # (turn, 8) each's slot
+        outs.append(experts(x[start:end], slots, p + "experts."))      # (turn, 8, 2048)
+        mx.eval(outs[-1])
+        start = end
+    return mx.concatenate(outs)                                        # (L, 8, 2048)
+
+def safetensors_header(file):
+    """A safetensors file's tensors -> {name: (dtype, shape, offset in the file, bytes)}: its
+    first 8 bytes give the length of a JSON header, which gives each tensor's place after it."""
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return {name: (t["dtype"], t["shape"], 8 + length + t["data_offsets"][0],
+                   t["data_offsets"][1] - t["data_offsets"][0])
+            for name, t in header.items() if name != "__metadata__"}
+
+def expert_spans(p, places, e):
+    """Block p's experts in the files -> Pool's spans, named as stacked (experts.gate_up_proj and
+    experts.down_proj, with .scales and .biases if quantised): (dtype stored, one expert's shape,
+    each expert's [(file, offset, bytes)]). places: {tensor: (file, dtype, shape, offset, bytes)}."""
+    def each(name):  # a stacked tensor's bytes, expert by expert (each one contiguous range)
+        file, dtype, shape, offset, size = places[name]
+        return dtype, shape[1:], [[(file, offset + n * size // e, size // e)] for n in range(e)]
+
+    def joined(gate, up):  # gate's rows, then up's: gate_up, as stack_experts() joins them
+        (dtype, shape, g), (_, _, u) = gate, up
+        return dtype, [2 * shape[0], *shape[1:]], [a + b for a, b in zip(g, u)]
+    if p + "experts.gate_up_proj" in places:  # Qwen3.5-MoE's release: stacked already
+        return {p + "experts." + m: each(p + "experts." + m) for m in ("gate_up_proj", "down_proj")}
+    if p + "experts.0.gate_proj.weight" in places:  # Qwen3-MoE's: one tensor an expert
+        one = {m: [places[f"{p}experts.{n}.{m}_proj.weight"] for n in range(e)]
+               for m in ("gate", "up", "down")}
+        alone = {m: (one[m][0][1], one[m][0][2], [[(f, offset, size)] for f, _, _, offset, size
+                                                  in one[m]]) for m in one}
+        return {p + "experts.gate_up_proj": joined(alone["gate"], alone["up"]),
+                p + "experts.down_proj": alone["down"]}
+    spans = {}  # MLX's switch_mlp: gate and up stacked apart; a narrow down maybe unquantised
+    for part in ("", ".scales", ".biases"):
+        gate, up, down = (f"{p}switch_mlp.{m}_proj{part or '.weight'}" for m in ("gate", "up",
+                                                                                "down"))
+        if gate in places:
+            spans[f"{p}experts.gate_up_proj{part}"] = joined(each(gate), each(up))
+        if down in places:
+            spans[f"{p}experts.down_proj{part}"] = each(down)
+    return spans
 
 # ═══ Part III — See inside: the views that teach, for --explain and for a notebook ═══
 # Each takes plain values (ids, a cache, numbers), never the command line's flags.
@@ -1218,7 +1345,8 @@ def setup(argv, group):
         check_launched(args)
     texts = read_prompts(args)
     folder = model_folder(args.model, may_fetch=not launched)
-    cfg = load_checked(folder, args.dtype and getattr(mx, args.dtype), group)
+    cfg = load_checked(folder, args.dtype and getattr(mx, args.dtype), group,
+                       args.memory and args.memory * 1e9)
     for tag in ("<|im_start|>", "<|im_end|>"):
         if args.chat and len(tokenize(tag)) != 1:  # a tokenizer without them spells them out
             raise UserError(f"{folder / 'tokenizer.json'} has no {tag} token: --chat needs "
@@ -1275,6 +1403,8 @@ def parse_args(argv):
     thinking.add_argument("--no-think", dest="think", action="store_const", const=False,
                           help="thinking off, with --chat")
     add("--dtype", choices=["bfloat16", "float16", "float32"], help="none: the weights' own")
+    add("--memory", type=float, metavar="GB", help="the most the weights may hold; a mixture's "
+        "experts beyond it are read from disk when picked (none: what this machine can hold)")
     add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
     add("--explain", action="store_true", help="the steps inside (chat: each turn's)")
     add("--lens-tokens", type=int, metavar="N", default=argparse.SUPPRESS,  # (given, or 64)
@@ -1304,7 +1434,8 @@ def parse_args(argv):
                f"--{'' if args.think else 'no-'}think needs --chat"),
               (args.quiet and args.verbose, "--quiet and --verbose ask for opposites"),
               (args.seed is not None and not 0 <= args.seed < 2**64,
-               "--seed must be from 0 to 2**64 - 1")]
+               "--seed must be from 0 to 2**64 - 1"),
+              (args.memory is not None and not args.memory > 0, "--memory must be more than 0")]
     for wrong, message in checks:
         if wrong:
             ap.error(message)
@@ -1343,10 +1474,12 @@ def read_prompts(args):
 def summary(folder, cfg):
     """The model's line: what runs, its layers, heads and size, the dtype it computes in."""
     tensors, quant = {id(w): w for w in W.values()}.values(), cfg["quantization"]  # tied: once
-    size = f"{sum(w.size for w in tensors) / 1e9:.2f}B parameters"
+    pooled = {id(W[name]): MOE["num_experts"] / pool.size for pool in POOLS.values()
+              for name in pool.spans}  # experts from disk: a pool's slots hold S of E
+    size = f"{sum(w.size * pooled.get(id(w), 1) for w in tensors) / 1e9:.2f}B parameters"
     if quant:  # packed words: the format and the bytes, not the count
         size = (f"{quant['bits']}-bit, groups of {quant['group_size']}: "
-                f"{sum(w.nbytes for w in tensors) / 1e9:.2f} GB")
+                f"{sum(w.nbytes * pooled.get(id(w), 1) for w in tensors) / 1e9:.2f} GB")
     if cfg["group"]:  # what this process holds
         size += f" on rank 0 of {cfg['group'].size()} (each 1/{cfg['group'].size()} of a block)"
     name, layers = f"Qwen3 from {folder}", f"{N_LAYERS} layers"
@@ -1359,6 +1492,10 @@ def summary(folder, cfg):
         layers += (f", {len(MOE['layers'])} with {MOE['num_experts']} experts "
                    f"({MOE['num_experts_per_tok']} a token)")
         size += f", {cfg['load_peak'] / 1e9:.2f} GB at most while loading"  # never two models
+    if POOLS:  # experts from disk
+        slots = sum(W[name].nbytes for pool in POOLS.values() for name in pool.spans)
+        size += (f"; experts from disk: {next(iter(POOLS.values())).size} of "
+                 f"{MOE['num_experts']} a block in memory ({slots / 1e9:.2f} GB)")
     if YARN:
         size += f", RoPE by YaRN x{YARN['factor']} to {MAX_POS} positions"
     return (f"{name}: {layers}, hidden {D}, {N_HEADS} query / {N_KV} KV heads x {D_HEAD}, "
@@ -1686,9 +1823,11 @@ FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_c
          "model.safetensors"]
 FETCHED = ["*.json", "*.jinja", "*.safetensors"]  # what a repo id gives the Hugging Face cache
 
-def load_checked(model_dir, dtype=None, group=None):
+def load_checked(model_dir, dtype=None, group=None, memory=None):
     """load() with every file, config entry and tensor checked first (UserError) -> the config.
-    group: mx.distributed's, of several processes: this one keeps its part of each block."""
+    group: mx.distributed's, of several processes: this one keeps its part of each block;
+    memory: the bytes the weights may hold (None: what this machine can), a mixture's experts
+    beyond it read from disk when picked (Part II's experts from disk)."""
     folder = Path(model_dir)
     cfg = read_configs(folder)  # config.json, generation_config.json: CONFIG's entries
     cfg["group"] = group if group is not None and group.size() > 1 else None
@@ -1696,7 +1835,7 @@ def load_checked(model_dir, dtype=None, group=None):
         check_split(cfg, group.size())
     resident = mx.get_active_memory()  # (a model loaded before, still held: not this load's)
     mx.reset_peak_memory()  # the load's own peak: summary() says it for a mixture of experts
-    weights = read_weights(folder, cfg, dtype)  # each tensor the model uses, of its right shape
+    weights = read_weights(folder, cfg, dtype, memory)  # each tensor used, of its right shape
     cfg["load_peak"] = mx.get_peak_memory() - resident
     tok = read_tokenizer(folder, cfg)  # every id a row of the embedding
     if not (folder / "generation_config.json").exists():  # the article's four files: Qwen3's EOS
@@ -1904,9 +2043,10 @@ def weight_files(folder):
         files.setdefault(folder / file, []).append(name)
     return files
 
-def read_weights(folder, cfg, dtype):
+def read_weights(folder, cfg, dtype, memory=None):
     """The files -> the tensors the model uses, of the shapes config.json predicts, finite in dtype
-    (or their own), read from disk now."""
+    (or their own), read from disk now; beyond memory (load_checked()'s), a mixture's experts a
+    pool of slots a block, read when picked (cfg["pools"])."""
     weights, source = {}, {}
     for file, names in weight_files(folder).items():
         tensors = read_file(file, mx.load, "a complete safetensors file")  # lazy: read on use
@@ -1935,9 +2075,12 @@ def read_weights(folder, cfg, dtype):
             raise UserError(f"tensor {name} in {source[name]}: this script does not run a router "
                             "bias")
     tensors = w = None  # weights alone holds them now: what is cut or stacked is then freed
-    if cfg["moe"]:
-        stack_experts(weights, cfg, folder)
+    size = pool_size(weights, cfg, memory)  # None: every expert in memory
+    if cfg["moe"]:  # (streamed: stacked lazily, their shapes checked, never read)
+        stack_experts(weights, cfg, folder, read=size is None)
     weights = checked_shapes(weights, expected_shapes(cfg, weights), folder)
+    if size is not None:
+        cfg["pools"] = make_pools(weights, cfg, size, weight_files(folder))
     for name in list(weights) if cfg["group"] else []:  # several processes: this one's parts
         weights[name] = shard(name, weights[name], cfg["group"], cfg["qwen35"])
     # The MTP head's layer is also read as layer N (num_hidden_layers), after the model's own.
@@ -1955,13 +2098,13 @@ def read_weights(folder, cfg, dtype):
             raise UserError(f"tensor {name} in {source[name]} holds NaN or inf: {why}")
     return weights
 
-def stack_experts(weights, cfg, folder):
+def stack_experts(weights, cfg, folder, read=True):
     """Each mixture's experts, stacked in weights as Qwen3.5-MoE's release holds them:
     experts.gate_up_proj (E, 2I, D), gate's rows first, and experts.down_proj (E, D, I), a
     .scales and .biases beside each if quantised. Stacked here: Qwen3-MoE's one tensor an expert
     (each named if missing or misshapen), and MLX's switch_mlp.* (gate and up apart; one of the
-    three missing, named); a block at a time, evaluated before the next, so that the model is
-    never held twice."""
+    three missing, named); a block at a time, evaluated (read=False: not) before the next, so
+    that the model is never held twice."""
     e, i, d = cfg["moe"]["num_experts"], cfg["moe"]["moe_intermediate_size"], cfg["hidden_size"]
     for p in sorted({name.split("mlp.")[0] + "mlp." for name in weights if "mlp.experts." in name
                      or "mlp.switch_mlp." in name}):
@@ -1987,7 +2130,70 @@ def stack_experts(weights, cfg, folder):
             weights[p + "experts.gate_up_proj"] = mx.concatenate([stacked["gate"],
                                                                   stacked["up"]], axis=1)
             weights[p + "experts.down_proj"] = stacked["down"]
-        mx.eval([w for name, w in weights.items() if name.startswith(p + "experts.")])
+        if read:
+            mx.eval([w for name, w in weights.items() if name.startswith(p + "experts.")])
+
+def machine_memory():
+    """The bytes the weights may hold here: on a Mac, MLX's recommended working set for its GPU;
+    elsewhere the physical memory less a fifth (the system's, Python's, the KV cache's)."""
+    info = mx.device_info()
+    if "max_recommended_working_set_size" in info:
+        return info["max_recommended_working_set_size"]
+    return 0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+def pool_size(weights, cfg, memory):
+    """The slots a mixture block keeps when the weights exceed memory (bytes; None: this
+    machine's) -> their number, or None: every expert fits. A dense model that does not fit: a
+    line, and on (memory given: refused); a pool too small for one token's experts: refused."""
+    budget, moe_cfg = memory or machine_memory(), cfg["moe"]
+    tensors = {id(w): w for w in weights.values() if w is not None}.values()  # tied: once
+    total = sum(w.nbytes for w in tensors)
+    if total <= budget:
+        return None
+    streamed = tuple(f"model.layers.{i}.mlp.{kind}" for i in moe_cfg.get("layers", [])
+                     for kind in ("experts.", "switch_mlp."))  # (the MTP head's stay)
+    experts_bytes = sum(w.nbytes for name, w in weights.items() if name.startswith(streamed))
+    given = f"--memory {memory / 1e9:g} GB" if memory else f"this machine's {budget / 1e9:.1f} GB"
+    if not experts_bytes:  # a dense model
+        line = (f"the weights are {total / 1e9:.2f} GB, more than {given}: a quantised folder "
+                "holds less (Qwen/Qwen3-8B-MLX-4bit: a quarter of bfloat16's)")
+        if memory:
+            raise UserError(line)
+        note(f"{line}; going on, the system will swap")
+        return None
+    if cfg["group"]:
+        raise UserError(f"the weights are {total / 1e9:.2f} GB, more than {given}: experts from "
+                        "disk run in one process (under mlx.launch each holds 1/N of them)")
+    blocks, top_k = len(moe_cfg["layers"]), moe_cfg["num_experts_per_tok"]
+    each = experts_bytes / (moe_cfg["num_experts"] * blocks)  # an expert's bytes in a block
+    size = int((budget - (total - experts_bytes)) // (each * blocks))
+    if size < top_k:
+        least = total - experts_bytes + top_k * each * blocks
+        raise UserError(f"{given} cannot hold the model without its experts, and {top_k} "
+                        f"experts a block besides (one token's): the least that works is --memory "
+                        f"{math.ceil(least / 1e7) / 100:.2f}")
+    return size
+
+def make_pools(weights, cfg, size, files):
+    """The streamed blocks' experts -> slots: each stacked tensor of them (S, ...) zeros in
+    weights, and a Pool a block, told where each expert lies in files -> {block's prefix: Pool}."""
+    places, stamps = {}, {}
+    for file in files:
+        stamps[str(file)] = (os.stat(file).st_size, os.stat(file).st_mtime_ns)
+        for name, (dtype, shape, offset, nbytes) in safetensors_header(file).items():
+            places[name.replace("language_model.", "", 1)] = (str(file), dtype, shape, offset,
+                                                              nbytes)
+    pools = {}
+    for i in cfg["moe"]["layers"]:
+        p = f"model.layers.{i}.mlp."
+        spans = expert_spans(p, places, cfg["moe"]["num_experts"])
+        for name, (stored, _, _) in spans.items():
+            if stored not in STORED:
+                raise UserError(f"tensor {name} is stored as {stored}: experts from disk read "
+                                f"{', '.join(STORED)}")
+            weights[name] = mx.zeros((size, *weights[name].shape[1:]), weights[name].dtype)
+        pools[p] = Pool(spans, stamps, size)
+    return pools
 
 def expected_shapes(cfg, weights):
     """The tensors the model uses -> the shapes config.json's sizes give them."""
