@@ -931,8 +931,7 @@ class Pool:
     def __init__(self, spans, files, size):
         self.spans, self.files, self.size = spans, files, size
         self.slot_of = {}  # expert -> slot, the least recently used first
-        self.found = self.wanted = self.bytes_read = 0
-        self.seconds = 0.0  # spent reading
+        self.counts = dict(found=0, wanted=0, bytes=0, seconds=0.0)  # picks held, picks; reads
 
     def bring(self, needed):
         """needed: expert ids, at most S -> (E,) each expert's slot (0 if not held), all of
@@ -941,43 +940,50 @@ class Pool:
         for e in needed:
             if e in self.slot_of:  # found: now the most recently used
                 self.slot_of[e] = self.slot_of.pop(e)
-        self.found, self.wanted = self.found + len(needed) - len(missing), self.wanted + len(needed)
+        self.counts["found"] += len(needed) - len(missing)
+        self.counts["wanted"] += len(needed)
         free = sorted(set(range(self.size)) - set(self.slot_of.values()))
         for e in missing:
             slot = free.pop(0) if free else self.slot_of.pop(next(iter(self.slot_of)))
             self.read(e, slot)
             self.slot_of[e] = slot
-        if missing:
-            mx.eval([W[name] for name in self.spans])  # written in place: the slots' buffers
         table = [0] * len(next(iter(self.spans.values()))[2])
         for e, slot in self.slot_of.items():
             table[e] = slot
         return mx.array(table)                                        # (E,)
 
-    def read(self, e, slot):  # expert e's bytes from the files into slot of each W[name]
+    def read(self, e, slot):
+        """Expert e's bytes from the files into slot of each W[name], one tensor at a time, each
+        written in place at once (MLX gives the slot's write the pool's buffer): besides the
+        pool, the reads hold one tensor of one expert, twice (the bytes, and MLX's copy)."""
         tic = time.perf_counter()
         for name, (stored, shape, spans) in self.spans.items():
-            data = b"".join(read_span(file, offset, size, self.files[file])
-                            for file, offset, size in spans[e])
+            data, at = bytearray(sum(size for _, _, size in spans[e])), 0
+            for file, offset, size in spans[e]:  # (gate_up: gate's rows, then up's)
+                read_span(memoryview(data)[at:at + size], file, offset, self.files[file])
+                at += size
             w = mx.array(memoryview(data)).view(STORED[stored]).reshape(shape)  # an expert's
             W[name][slot] = w.astype(W[name].dtype)
-            self.bytes_read += len(data)
-        self.seconds += time.perf_counter() - tic
+            mx.eval(W[name])
+            self.counts["bytes"] += len(data)
+            data = w = None  # (let go before the next tensor's bytes come)
+        self.counts["seconds"] += time.perf_counter() - tic
 
-def read_span(file, offset, size, loaded):
-    """size bytes of file at offset; the file as it was loaded ((size, mtime)), else UserError."""
+def read_span(into, file, offset, loaded):
+    """into (a writable view): as many bytes of file from offset; the file as it was loaded
+    ((size, mtime)), else a UserError."""
     try:
         fd = os.open(file, os.O_RDONLY)
         try:
-            now = os.fstat(fd)
-            data = os.pread(fd, size, offset) if (now.st_size, now.st_mtime_ns) == loaded else b""
+            now, got = os.fstat(fd), 0
+            if (now.st_size, now.st_mtime_ns) == loaded:
+                got = os.preadv(fd, [into], offset)
         finally:
             os.close(fd)
     except OSError as e:
         raise UserError(f"{file} cannot be read: {e.strerror.lower()}") from None
-    if len(data) != size:  # changed (or cut short) since the experts' places were read
+    if got != len(into):  # changed (or cut short) since the experts' places were read
         raise UserError(f"{file} has changed since it was loaded: run again")
-    return data
 
 def streamed_experts(x, chosen, p):
     """experts() for a streamed block: its picks read now (the reads need them), its tokens in
@@ -1008,7 +1014,8 @@ def safetensors_header(file):
 def expert_spans(p, places, e):
     """Block p's experts in the files -> Pool's spans, named as stacked (experts.gate_up_proj and
     experts.down_proj, with .scales and .biases if quantised): (dtype stored, one expert's shape,
-    each expert's [(file, offset, bytes)]). places: {tensor: (file, dtype, shape, offset, bytes)}."""
+    each expert's [(file, offset, bytes)]). places: {tensor: (file, dtype, shape, offset,
+    bytes)}."""
     def each(name):  # a stacked tensor's bytes, expert by expert (each one contiguous range)
         file, dtype, shape, offset, size = places[name]
         return dtype, shape[1:], [[(file, offset + n * size // e, size // e)] for n in range(e)]
@@ -1514,6 +1521,8 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
     if held + args.max_tokens > MAX_POS:
         note(f"generation stops at the context limit, {MAX_POS} tokens")
     mx.reset_peak_memory()  # each answer's peak its own (a chat's earlier turns, --explain's)
+    for pool in POOLS.values():  # (experts from disk: what each answer found and read)
+        pool.counts = dict.fromkeys(pool.counts, 0)
     blocks = [] if args.explain else None  # x after each block, for --explain
     before = list(cache)  # as it is at start, for --explain's pass (the run writes cache)
     counts, tic = {}, time.perf_counter()  # counts: what --draft drafted, accepted, passes
@@ -1619,6 +1628,8 @@ def print_stats(n_prompt, n, tic, t_first, cache, held, passes=None, mtp=False):
                                       for r, peak in enumerate(peaks)))
     print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
           f"({cache_bytes(cache) / 1e6:.3f} MB allocated)")
+    if POOLS:  # experts from disk: what the pools held, found and read
+        print_pools(n, time.perf_counter() - tic)
     if MODEL == "qwen3_5":  # the other memory
         print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
               f"{cache_bytes(cache, kind='linear_attention') / 1e6:.3f} MB at any length")
@@ -1639,6 +1650,24 @@ def print_stats(n_prompt, n, tic, t_first, cache, held, passes=None, mtp=False):
               f"{100 * seconds * rate / per_pass:.1f}% of its time", flush=True)
     return per_token * rate
 
+def print_pools(n, seconds):
+    """Experts from disk, over an answer of n tokens that took seconds: the share of the picks
+    (each block's experts a pass) the pools held, the bytes read and how fast, and this process's
+    most resident memory (the operating system's count: MLX's buffers, Python, the files' reads)."""
+    total = {key: sum(pool.counts[key] for pool in POOLS.values()) for key in ("found", "wanted",
+                                                                              "bytes", "seconds")}
+    found, read = total["found"] / max(total["wanted"], 1), total["bytes"]
+    speed = read / total["seconds"] if total["seconds"] else 0.0
+    print(f"Experts from disk: {found:.1%} of the picks found in memory; {read / 1e6:.1f} MB read "
+          f"({read / max(n, 1) / 1e6:.2f} MB a token) at {speed / 1e9:.2f} GB/s, "
+          f"{total['seconds']:.2f} s of the answer's {seconds:.2f}; the process: "
+          f"{resident_peak() / 1e9:.3f} GB resident at most")
+
+def resident_peak():  # this process's most resident memory so far, bytes
+    import resource  # (Unix's; MLX runs on no other)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # (a Mac counts bytes, Linux KB)
+
 def token_bytes(cache, held, mtp=False, rows=1):
     """What a pass of the model over one token reads -> (its weights' bytes, its cache's): each
     weight it uses once (the embedding's one row left out, a tied table counted once as the LM
@@ -1651,8 +1680,8 @@ def token_bytes(cache, held, mtp=False, rows=1):
     used = {id(w): w for name, w in W.items() if not name.startswith(skipped)}  # tied: once
     drafting = {id(w): w for name, w in W.items() if name.startswith(mtp_names)} if mtp else {}
     head_tensors = [w for name, w in W.items() if name.startswith("lm_head.")] if mtp else []
-    share = {id(w): min(1, rows * MOE["num_experts_per_tok"] / MOE["num_experts"])
-            for name, w in W.items() if ".mlp.experts." in name}     # (E, ...) of which k a row
+    share = {id(w): min(1, rows * MOE["num_experts_per_tok"] / len(w))  # (E, ...), or a pool's
+             for name, w in W.items() if ".mlp.experts." in name}    # (S, ...): k of them a row
     read_once = [*used.values(), *drafting.values(), *head_tensors]
     weight_bytes = sum(w.nbytes * share.get(id(w), 1) for w in read_once) / rows
     return weight_bytes, cache_bytes(cache, held) + cache_bytes(cache, kind="linear_attention")
@@ -2145,9 +2174,14 @@ def pool_size(weights, cfg, memory):
     """The slots a mixture block keeps when the weights exceed memory (bytes; None: this
     machine's) -> their number, or None: every expert fits. A dense model that does not fit: a
     line, and on (memory given: refused); a pool too small for one token's experts: refused."""
-    budget, moe_cfg = memory or machine_memory(), cfg["moe"]
-    tensors = {id(w): w for w in weights.values() if w is not None}.values()  # tied: once
-    total = sum(w.nbytes for w in tensors)
+    budget, moe_cfg, shapes = memory or machine_memory(), cfg["moe"], expected_shapes(cfg, weights)
+
+    def kept(name):  # by checked_shapes(): a tensor it expects (its scales, biases), an expert's
+        base = name.removesuffix(".scales").removesuffix(".biases")  # (not: a vision tower's)
+        return base in shapes or base + ".weight" in shapes or ".mlp.experts." in name \
+            or ".mlp.switch_mlp." in name
+    used = {id(w): w for name, w in weights.items() if w is not None and kept(name)}  # tied: once
+    total = sum(w.nbytes for w in used.values())
     if total <= budget:
         return None
     streamed = tuple(f"model.layers.{i}.mlp.{kind}" for i in moe_cfg.get("layers", [])
@@ -2171,7 +2205,7 @@ def pool_size(weights, cfg, memory):
         least = total - experts_bytes + top_k * each * blocks
         raise UserError(f"{given} cannot hold the model without its experts, and {top_k} "
                         f"experts a block besides (one token's): the least that works is --memory "
-                        f"{math.ceil(least / 1e7) / 100:.2f}")
+                        f"{math.ceil(least / 1e5) / 1e4:.4f}")  # (GB, rounded up)
     return size
 
 def make_pools(weights, cfg, size, files):
