@@ -3,7 +3,7 @@ Part I    the article's script: constants, load(), Steps 1-9 through generate(),
           article's run. Copied out alone (up to Part II's banner), it runs as the article's does.
 Part II   what the article leaves out, the model side: quantised weights, Qwen3.5's hybrid
           attention, multi-token prediction, batching, several machines, mixtures of experts,
-          long context by YaRN.
+          long context by YaRN, experts read from disk when the model is larger than memory.
 Part III  See inside: the views that teach (--explain), each callable from a notebook.
 Part IV   the program, read top-down from main(): the command line, an answer, a batch, chat,
           loading and its checks, the download, several processes."""
@@ -350,7 +350,7 @@ if __name__ == "__main__" and "__file__" in globals() and "\ndef main(" not in P
         __file__).read_text(encoding="utf-8"):
     article()
 
-# ═══ Part II — what the article leaves out, the model side: from quantised weights to YaRN ═══
+# ═══ Part II — what the article leaves out, model side: quantised weights to experts on disk ═══
 # ═══ Quantised weights — numbers in 2-6 or 8 bits, a scale and a bias for each group of them ═══
 def dequantize(packed, scales, biases, bits):
     """MLX's affine quantisation undone: a row of packed (uint32) is a little-endian stream of
@@ -1267,7 +1267,8 @@ def answer_forming(prompt_ids, generated, cache, start, columns=64, greedy=True,
 def experts_at_work(routes, last, answer):
     """A mixture of experts: in each MoE block, the experts the token at row last chose, by
     weight; then over the rows of answer (a range), how many of the E experts each block used,
-    and its busiest three with their share of the choices. routes: logit_lens()'s, (block,
+    and its busiest three with their share of the choices; experts from disk, the share of its
+    picks its pool held (the answer's passes and the lens's). routes: logit_lens()'s, (block,
     chosen (C, k), weights (C, k)) chunk after chunk -> lines, none over 80 columns."""
     per_block = {}
     for b, chosen, mix in routes:
@@ -1288,6 +1289,9 @@ def experts_at_work(routes, last, answer):
         busiest = "".join(f"  #{x} {100 * n / (top_k * len(answer)):.0f}%"
                           for x, n in tally.most_common(3))
         used.append(f"{f'block {b + 1}':<8} {len(tally):>4} of {e} used; busiest{busiest}")
+        pool = POOLS.get(f"model.layers.{b}.mlp.")
+        if pool:  # experts from disk: how often its pool held what was picked
+            used[-1] += f"; held {pool.counts['found'] / max(pool.counts['wanted'], 1):.0%}"
     return lines + used
 
 # ─── What memory moves ───

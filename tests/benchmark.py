@@ -15,6 +15,8 @@
     python tests/benchmark.py --qwen35 --draft mtp   # drafting: heads that agree, half agree, random
     python tests/benchmark.py --draft lookup         # prompt lookup on Qwen3, a repetitive prompt
     python tests/benchmark.py --bandwidth            # --explain's memory figure beside numpy's copy
+    python tests/benchmark.py --moe --stream --dtype float32 --quantize 4   # experts from disk:
+                                                     # pools of 50%, 25%, 12.5% against resident
     python tests/benchmark.py --ranks                # tensor parallel rows, one process; and two:
     mlx.launch -n 2 --python "$(which python)" -- tests/benchmark.py --ranks
 
@@ -43,6 +45,7 @@ First it prints how many kernels one decoded token launches per layer, ours and 
 test_ prefix).
 """
 import argparse
+import os
 import re
 import statistics
 import sys
@@ -288,6 +291,58 @@ def rank_rows(shape, dtype, runs):
               f"{kernels[1]:.1f}")
 
 
+def drop_page_cache():
+    """Empty the operating system's page cache (Linux, as root), so that the next reads come from
+    the disk itself -> whether it could."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def stream_rows(folder, runs, shares=(1.0, 0.5, 0.25, 0.125), n_prompt=16, n_new=32):
+    """Experts from disk: decode tokens/s with every expert in memory, then with pools of a share
+    of each block's experts (--memory set to the rest of the model plus that share), interleaved,
+    the page cache warm and (where allowed) dropped before each run; each pool's hit rate and the
+    MB it read a token generated. The median of runs each."""
+    li.load_checked(folder)
+    streamed = [n for n in li.W if n.startswith("model.layers.") and ".mlp.experts." in n]
+    experts = sum(li.W[n].nbytes for n in streamed)
+    total = sum(w.nbytes for w in {id(w): w for w in li.W.values()}.values())
+    e, k = li.MOE["num_experts"], li.MOE["num_experts_per_tok"]
+    prompt = [(7 * i + 3) % (li.TOK.get_vocab_size() - 10) for i in range(n_prompt)]
+    memory = {share: None if share == 1 else total - experts * (1 - share) + 64 for share in shares}
+    cold = drop_page_cache()
+    print(f"{mx.default_device()}, {li.N_LAYERS} layers of {e} experts ({k} a token), weights "
+          f"{total / 1e9:.2f} GB, experts {experts / 1e9:.2f} GB; page cache dropped: "
+          f"{'yes' if cold else 'not allowed here'}")
+    rows = {}
+    for run in range(runs + 1):
+        for share in shares:
+            for drop in (False, True) if cold else (False,):
+                li.load_checked(folder, memory=memory[share])
+                if drop:
+                    drop_page_cache()
+                _, decode = timed(li.generate(prompt, n_new + 1), n_prompt)
+                counts = [pool.counts for pool in li.POOLS.values()]
+                found = sum(c["found"] for c in counts) / max(sum(c["wanted"] for c in counts), 1)
+                read = sum(c["bytes"] for c in counts) / (n_new + 1)
+                if run:  # run 0 warms up
+                    rows.setdefault((share, drop), []).append((decode, found, read))
+    print(f"{'pool':<22}{'tokens/s':>10}{'x resident':>12}{'held':>8}{'MB a token':>12}")
+    resident = statistics.median(r[0] for r in rows[(1.0, False)])
+    for (share, drop), figures in rows.items():
+        decode = statistics.median(f[0] for f in figures)
+        label = "resident" if share == 1 else f"{share:.1%} of experts"
+        held = statistics.median(f[1] for f in figures) if share < 1 else 1.0
+        print(f"{label + (', cold' if drop else ''):<22}{decode:>10.2f}{decode / resident:>11.2f}x"
+              f"{held:>8.1%}"
+              f"{statistics.median(f[2] for f in figures) / 1e6:>12.1f}")
+
+
 def bandwidth_rows(rounds=5, size=2**28):
     """--explain's memory figure, li.bandwidth() (the best of 5 reads of size bytes already in
     memory), beside numpy copying the same bytes between two buffers already written (the best of
@@ -326,6 +381,7 @@ def main():
     ap.add_argument("--no-plain-runs", action="store_true", help="batching: skip the B plain runs")
     ap.add_argument("--draft", choices=["mtp", "lookup"], help="the drafting rows only")
     ap.add_argument("--bandwidth", action="store_true", help="--explain's figure beside numpy's copy")
+    ap.add_argument("--stream", action="store_true", help="experts from disk (with --moe)")
     ap.add_argument("--ranks", action="store_true",
                     help="under mlx.launch -n N: ours against mlx-lm's sharded_load")
     args = ap.parse_args()
@@ -372,6 +428,8 @@ def main():
         quantized = Path(tmp.name) / f"{args.quantize}-bit"
         convert(str(folder), str(quantized), quantize=True, q_group_size=64, q_bits=args.quantize)
         folder = quantized
+    if args.stream:
+        return stream_rows(Path(folder), args.runs)
     li.load(folder)
     model, _ = load_model(Path(folder))
     mx.eval(list(li.W.values()), model.parameters())

@@ -6,6 +6,7 @@ in a batch, drafting and --explain too; the child process's peak resident memory
 system's count, from outside) stays under the budget plus a margin measured the same way; a file
 changed or cut after loading, a pool too small, a dense model over --memory: one line, exit 1."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -111,6 +112,8 @@ def test_the_command_line_says_the_pool_and_what_it_read(qwen3_moe):
                         "--explain")
     assert explained.returncode == 0 and "the experts at work" in explained.stdout, \
         explained.stderr
+    held = re.findall(r"^block \d+ .* used; busiest.*; held (\d+)%$", explained.stdout, re.M)
+    assert len(held) == 3 and all(0 < int(share) < 100 for share in held), explained.stdout
 
 
 def test_a_pool_too_small_names_the_least_that_works(qwen3_moe):
