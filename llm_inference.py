@@ -16,10 +16,10 @@ import mlx.core as mx
 from tokenizers import Tokenizer
 
 # ═══ Part I — the article's script. Its constants hold Qwen3-0.6B's values until load() ═══
-# Names from later parts, each on a branch that dense Qwen3 in one process never takes (leave
-# them out of a copy): load_checked (load: other models), quantized_linear and SPLIT (linear),
-# embed_quantized (embed), yarn (rope_tables), qwen35_attention and attention_rows (attention),
-# moe (ffn).
+# Names from later parts, each on a branch that plain Qwen3 (16-bit, its RoPE unscaled, one
+# process, one sequence) never takes; a copy may leave those branches out: load_checked (load:
+# other models), quantized_linear and SPLIT (linear), embed_quantized (embed), yarn
+# (rope_tables), qwen35_attention and attention_rows (attention), moe (ffn).
 W = {}           # Hugging Face tensor name -> array, e.g. W["model.norm.weight"] (1024,)
 TOK = None       # tokenizers.Tokenizer from tokenizer.json: text <-> token ids
 D = 1024         # hidden_size: width of the residual stream
@@ -60,8 +60,9 @@ def load(model_dir, dtype=None):
     folder = Path(model_dir)
     cfg = json.loads((folder / "config.json").read_text())
     nested = cfg.get("rope_parameters", {})  # transformers 5 writes rope_theta (and scaling) here
-    scaled = cfg.get("rope_scaling") or nested.get("rope_type", nested.get("type")) not in (
-        None, "default")
+    scaling = cfg.get("rope_scaling") or nested  # (a kind other than "default": YaRN)
+    scaled = not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get(
+        "type")) not in (None, "default")
     if cfg["model_type"] != "qwen3" or "quantization" in cfg or scaled:  # Qwen3.5, experts,
         return load_checked(folder, dtype)  # quantised weights, YaRN: Part IV
     cfg.setdefault("rope_theta", nested.get("rope_theta"))
@@ -142,11 +143,11 @@ def apply_rope(x, cos, signed_sin):
 
 # ═══ Step 5. Grouped-query attention — every token asks, earlier ones answer; 2 askers share ═══
 class Pass(NamedTuple):
-    """The article's positions, with what every block of a pass computes from them once."""
+    """The article's positions, and what forward() computes from them once for every block."""
     start: object         # the first token's position, an int (a batch's rows: None, each its own)
-    positions: mx.array   # (L,) each token's
-    rope: tuple           # Step 4's cos and signed_sin at them, (L, 1, 2, 64) each
-    visible: mx.array     # (L, S) the keys each token sees: those at its position or before
+    positions: mx.array   # (L,) each token's (a batch's: (B * L,))
+    rope: tuple           # Step 4's cos and signed_sin at them, (L, 1, 2, 64) each (Qwen3.5: None)
+    visible: mx.array     # (L, S) the keys each token sees (a batch's: (B, L, S))
     notes: dict = None    # drafting (Part II): {layer: a list given its DeltaNet notes per token}
     routes: list = None   # --explain (Part III): a list given each mixture's choices
 
@@ -215,7 +216,8 @@ def swiglu(gate, up):  # (L, 3072) each -> silu(gate) * up, where silu(g) = g * 
     return gate * mx.sigmoid(gate) * up
 
 def ffn(x, layer_idx, routes=None):
-    """x: (L, D) -> (L, D): down( silu(gate(x)) * up(x) ). routes: Part II's, a mixture's."""
+    """x: (L, D) -> (L, D): down( silu(gate(x)) * up(x) ). routes: for --explain's view of a
+    mixture's choices (Part III; a mixture, Part II, fills it)."""
     p = f"model.layers.{layer_idx}.mlp."
     if p + "gate.weight" in W:  # a router: this block's MLP is a mixture of experts (Part II)
         return moe(x, layer_idx, routes)
@@ -225,7 +227,7 @@ def ffn(x, layer_idx, routes=None):
 
 # ═══ Step 7. The transformer block — normalise, attend, add; normalise, think, add ═══
 def transformer_block(x, layer_idx, cache, at):
-    """x: (L, D) at at.positions (a Pass) -> (L, D). Pre-norm, a residual around each half."""
+    """x: (L, D) at the positions of at, a Pass -> (L, D). Pre-norm, a residual around each half."""
     p = f"model.layers.{layer_idx}."
     h = rms_norm(x, W[p + "input_layernorm.weight"], EPS)             # (L, 1024)
     out = attention(h, layer_idx, cache, at)                          # (L, 1024)
@@ -288,26 +290,27 @@ def prefill(prompt_ids, cache, start=0, blocks=None, chunk=CHUNK):
         mx.eval(cache)
     return forward([last_id], cache, start + len(earlier), blocks)[-1]  # (vocab,)
 
-def not_finite(which, dtype):  # the weights finite (load_checked() checks): the numbers overflowed
+def not_finite(which, dtype):  # the weights finite (load_checked() checks them): they overflowed
     name = str(dtype).split(".")[-1]  # float16, not mlx.core.float16
     advice = "" if dtype == mx.float32 else "; compute in float32"   # (float32's: no wider here)
     return FloatingPointError(f"the logits {which} are not finite (NaN or inf) in {name}: the "
                               f"activations overflow it{advice}")
 
 def generate(prompt_ids, max_tokens=100, sampler=sample, cache=None, start=0, logits=None):
-    """The article's loop: prefill, then decode() -> an iterator of up to max_tokens ids after
-    prompt_ids, stopping before any EOS id and at the context's end. sampler: sample (greedy), or
-    partial(sample, temperature=...); cache, start: a cache and how much of it to keep; logits:
-    the prompt's, if prefill() ran it in. Then the cache holds the prompt and every id given."""
+    """The article's loop: the prefill, here at the call, then decode_tokens() -> an iterator of up
+    to max_tokens ids after prompt_ids, stopping before any EOS id and at the context's end.
+    sampler: sample (greedy), or partial(sample, temperature=...); cache, start: a cache and how
+    much of it to keep; logits: the prompt's, if prefill() ran it in. Then the cache holds the
+    prompt and every id yielded."""
     if isinstance(prompt_ids, str):  # the article's generate() takes text and returns text
         raise TypeError("generate() takes ids: text + TOK.decode(list(generate(tokenize(text))))")
     cache = [None] * N_LAYERS if cache is None else cache
     if logits is None:
         logits = prefill(prompt_ids, cache, start)                    # (vocab,) lazy
     first = start + len(prompt_ids)                                   # the first id's position
-    return decode(logits, cache, first, min(first + max_tokens, MAX_POS), sampler)
+    return decode_tokens(logits, cache, first, min(first + max_tokens, MAX_POS), sampler)
 
-def decode(logits, cache, first, end, sampler):
+def decode_tokens(logits, cache, first, end, sampler):
     """Yield the ids at positions first..end-1, each sampled from the logits before it (the
     first's: given), stopping before an EOS id."""
     # The article's loop, as MLX runs it: an mx.* call only records; MLX computes when Python needs
@@ -334,7 +337,7 @@ def decode(logits, cache, first, end, sampler):
 # ═══ The article's run — Part I alone, run as a script, prints what the article's prints ═══
 def article(folder="Qwen3-0.6B", prompt="The capital of France is"):
     """The article's script's run: its folder found from where it is started, as the article's
-    is; the time is the answer's (tokenize, generate, decode), after the load."""
+    is; the time is the answer's (tokenize, generate, TOK.decode), after the load."""
     load(folder)
     print(f"Model: {Path(folder).name} ({N_LAYERS} layers, {D} dim, {N_HEADS} Q heads, "
           f"{N_KV} KV heads)")
@@ -383,10 +386,10 @@ def deltanet(layer_idx):  # one of Qwen3.5's Gated DeltaNet layers? (layer N, th
 def qwen35_attention(x, layer_idx, cache, at):
     """Step 5's attention() for Qwen3.5 (a batch's rows too, at.start None): x (L, D) -> (L, D).
     at.rope is not read: a quarter of each head is turned, by tables of its own."""
-    if deltanet(layer_idx) and at.start is None:                      # each row its own notes
-        B, L, _ = at.visible.shape
-        return gated_delta_net(x.reshape(B, L, -1), layer_idx, cache).reshape(B * L, -1)
     if deltanet(layer_idx):                                           # 18 of 24
+        if at.start is None:  # a batch's rows, each its own notes
+            B, L, _ = at.visible.shape
+            return gated_delta_net(x.reshape(B, L, -1), layer_idx, cache).reshape(B * L, -1)
         return gated_delta_net(x, layer_idx, cache, at.notes)         # (L, 1024)
     q, k, v, gate = gated_queries(x, layer_idx, at.positions)         # (L, 8, 256), (L, 2, 256)
     if at.start is None:  # a batch's rows
@@ -430,7 +433,7 @@ def gated_delta_net(x, layer_idx, cache, notes=None):
     beta = mx.sigmoid(linear(x, p + "in_proj_b"))                     # (L, 16) write strength 0..1
     a = linear(x, p + "in_proj_a") + W[p + "dt_bias"]                 # (L, 16)
     dt = mx.logaddexp(a, 0)                                           # softplus: log(1 + e^a) > 0
-    # decay: how much of S each token keeps, in 0..1 per head; a larger step forgets more, at a
+    # decay: how much of S each token keeps, in 0..1 per head; a larger dt forgets more, at a
     # rate A = exp(A_log) that each head learned.
     decay = mx.exp(-mx.exp(W[p + "A_log"]) * dt)                      # (L, 16)
     y = delta_memory(cache, layer_idx, qkv, beta, decay, notes)       # (L, 16, 128) float32
@@ -668,9 +671,9 @@ def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     keys, values = cache[layer_idx] or (mx.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype),) * 2
     room = -(-S // GROW) * GROW                                       # S up to a multiple of GROW
     keys, values = padded(keys, 2, room), padded(values, 2, room)     # (B, 8, room, 128)
-    slots = positions.reshape(B, 1, L, 1)                             # row b's L positions
-    keys = mx.put_along_axis(keys, slots, k.swapaxes(1, 2), axis=2)   # (B, 8, room, 128)
-    values = mx.put_along_axis(values, slots, v.swapaxes(1, 2), axis=2)  # (B, 8, room, 128)
+    write_at = positions.reshape(B, 1, L, 1)                          # row b's L positions
+    keys = mx.put_along_axis(keys, write_at, k.swapaxes(1, 2), axis=2)  # (B, 8, room, 128)
+    values = mx.put_along_axis(values, write_at, v.swapaxes(1, 2), axis=2)  # (B, 8, room, 128)
     cache[layer_idx] = (keys, values)
     out = attend_batch(q, keys[:, :, :S], values[:, :, :S], visible)  # (B, L, H * hd)
     return out.reshape(B * L, -1)                                     # (B * L, 2048)
@@ -828,7 +831,7 @@ def moe(x, layer_idx, routes=None):
     each token's k likeliest (renormalised to sum to 1 when norm_topk_prob), those experts'
     SwiGLU of the token, weighted and added; Qwen3.5's shared expert added through its sigmoid
     gate. As a loop (tests/test_moe.py holds the two equal): for each token t and each of its k
-    experts e, y[t] += weight[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t])). routes: a list,
+    experts e, y[t] += mix[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t])). routes: a list,
     given (layer_idx, the choices (L, k), their weights (L, k))."""
     p, top_k = f"model.layers.{layer_idx}.mlp.", MOE["num_experts_per_tok"]
     probs = mx.softmax(linear(x, p + "gate").astype(mx.float32), axis=-1)  # (L, 128) router
@@ -1077,8 +1080,8 @@ def explain(prompt_ids, blocks, logits, cache, start, n):
     for i, looks in attention_looks(prompt_ids, blocks, cache, start):
         looks = looks[start:].tolist()                                # the prompt's positions
         top = sorted(range(len(looks)), key=looks.__getitem__, reverse=True)[:3]
-        for n, j in enumerate(top):
-            print(bar_line(f"block {i}" if n == 0 else "", prompt_ids[j], looks[j]))
+        for rank, j in enumerate(top):
+            print(bar_line(f"block {i}" if rank == 0 else "", prompt_ids[j], looks[j]))
         print(f"{'':>10} {'rest':>18} {1 - sum(looks[j] for j in top):<8.4g}")
     delta = [str(i + 1) for i in range(N_LAYERS) if deltanet(i)]
     if delta:
@@ -1118,7 +1121,7 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False, 
     next token, the probability it gives the token written there, and its top one's. Memory: the
     positions' ids and cache, and one block's logits for a chunk of them at a time. progress: a
     line on stderr at a terminal, taken away on every way out. routes: a list, given what each
-    mixture of experts chose at every position (moe()'s (block, chosen, weights), a chunk's)."""
+    mixture of experts chose at every position (moe()'s (block, chosen, mix), a chunk's)."""
     first_col = len(token_ids) - len(written)                         # the first column's place
     if first_col < 0:
         raise ValueError(f"{len(written)} ids written after {len(token_ids)} positions")
@@ -1269,7 +1272,7 @@ def experts_at_work(routes, last, answer):
     weight; then over the rows of answer (a range), how many of the E experts each block used,
     and its busiest three with their share of the choices; experts from disk, the share of its
     picks its pool held (the answer's passes and the lens's). routes: logit_lens()'s, (block,
-    chosen (C, k), weights (C, k)) chunk after chunk -> lines, none over 80 columns."""
+    chosen (C, k), mix (C, k)) chunk after chunk -> lines, none over 80 columns."""
     per_block = {}
     for b, chosen, mix in routes:
         per_block.setdefault(b, []).append((chosen, mix))
@@ -1519,10 +1522,10 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
     (after echo) and the statistics (--quiet: the text alone) -> generated, the new ids, each
     added as it is printed. keep: (position, list): the list is given the cache as it is at that
     position of the prompt; chunk: the prompt's passes' (prefill()'s, and --draft's)."""
-    held = start + len(prompt_ids)
-    if held >= MAX_POS:
-        raise UserError(f"the prompt is {held} tokens; the context holds {MAX_POS}")
-    if held + args.max_tokens > MAX_POS:
+    prompt_end = start + len(prompt_ids)
+    if prompt_end >= MAX_POS:
+        raise UserError(f"the prompt is {prompt_end} tokens; the context holds {MAX_POS}")
+    if prompt_end + args.max_tokens > MAX_POS:
         note(f"generation stops at the context limit, {MAX_POS} tokens")
     mx.reset_peak_memory()  # each answer's peak its own (a chat's earlier turns, --explain's)
     for pool in POOLS.values():  # (experts from disk: what each answer found and read)
@@ -1559,7 +1562,7 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
         print(flush=True)
     else:
         stats_after(args, len(prompt_ids), generated, tic, t_first or time.perf_counter(), cache,
-                    held, counts)
+                    prompt_end, counts)
     if args.explain:  # after the statistics: their times are the answer's alone
         try:
             answer_forming(prompt_ids, generated, before, start, args.lens_tokens,
@@ -1602,10 +1605,10 @@ def stream_text(token_ids):
     for token in token_ids:
         yield token, stream.step(TOK, token) or ""
 
-def stats_after(args, n_prompt, generated, tic, t_first, cache, held, counts):
+def stats_after(args, n_prompt, generated, tic, t_first, cache, prompt_end, counts):
     """After the text: mlx-lm's statistics and ours (print_stats()), then with --explain what
     memory moves, with --draft what drafting did."""
-    rate = print_stats(n_prompt, len(generated), tic, t_first, cache, held,
+    rate = print_stats(n_prompt, len(generated), tic, t_first, cache, prompt_end,
                        counts.get("passes"), args.draft == "mtp")
     if args.explain:  # the limit decoding works against: what memory moves
         speed = bandwidth()
@@ -1618,11 +1621,12 @@ def stats_after(args, n_prompt, generated, tic, t_first, cache, held, counts):
               f"{share}: {len(generated)} tokens in {counts['passes']} passes of the model",
               flush=True)
 
-def print_stats(n_prompt, n, tic, t_first, cache, held, passes=None, mtp=False):
+def print_stats(n_prompt, n, tic, t_first, cache, prompt_end, passes=None, mtp=False):
     """mlx_lm.generate's lines, counted as it counts (the prompt's rate: to the first token; the
     generation's: n tokens over the time since the first), then the KV cache's and the bytes a
-    pass of the model reads -> the bytes a second decoding read. passes: the model's, when
-    drafting made fewer than n (None: one a token); mtp: the MTP head drafted, reading its own."""
+    pass of the model reads -> the bytes a second decoding read. prompt_end: the positions the
+    cache held after the prompt; passes: the model's, when drafting made fewer than n (None: one
+    a token); mtp: the MTP head drafted, reading its own."""
     rate = n / max(time.perf_counter() - t_first, 1e-9)              # tokens a second
     print(f"\n{'=' * 10}\nPrompt: {n_prompt} tokens, {n_prompt / (t_first - tic):.3f} "
           "tokens-per-sec")
@@ -1630,14 +1634,15 @@ def print_stats(n_prompt, n, tic, t_first, cache, held, passes=None, mtp=False):
     peaks = peak_memory()  # (several processes: each rank's)
     print("Peak memory: " + ", ".join(f"{peak / 1e9:.3f} GB" + (f" (rank {r})" if GROUP else "")
                                       for r, peak in enumerate(peaks)))
-    print(f"KV cache: {held + n} positions, {cache_bytes(cache, held + n) / 1e6:.3f} MB "
+    held = prompt_end + n  # the positions the cache holds now
+    print(f"KV cache: {held} positions, {cache_bytes(cache, held) / 1e6:.3f} MB "
           f"({cache_bytes(cache) / 1e6:.3f} MB allocated)")
     if POOLS:  # experts from disk: what the pools held, found and read
         print_pools(n, time.perf_counter() - tic)
     if MODEL == "qwen3_5":  # the other memory
         print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
               f"{cache_bytes(cache, kind='linear_attention') / 1e6:.3f} MB at any length")
-    weight_bytes, kv_bytes = token_bytes(cache, held + n, mtp)
+    weight_bytes, kv_bytes = token_bytes(cache, held, mtp)
     per_pass = n / passes if passes else 1.0                          # tokens a pass
     per_token = (weight_bytes + kv_bytes) / per_pass                  # bytes a token
     drafted = "" if passes is None else f" a pass, {per_pass:.2f} tokens a pass: " \
@@ -2032,10 +2037,10 @@ def mixture_config(cfg, model_type, moe_entries):  # a mixture's entries, and it
     if not moe_entries:
         return {}
     moe_cfg = {"norm_topk_prob": True, **{name: cfg[name] for name in moe_entries}}
-    sparse = [i for i in range(cfg["num_hidden_layers"]) if i not in cfg["mlp_only_layers"]
-              and (i + 1) % cfg["decoder_sparse_step"] == 0]  # Qwen3-MoE's rule, as transformers
-    moe_cfg["layers"] = list(range(cfg["num_hidden_layers"])) if model_type == "qwen3_5_moe" \
-        else sparse  # (Qwen3.5-MoE: every layer's)
+    moe_cfg["layers"] = list(range(cfg["num_hidden_layers"]))  # Qwen3.5-MoE: every layer's
+    if model_type == "qwen3_moe":  # Qwen3-MoE's rule, as transformers and mlx-lm have it
+        moe_cfg["layers"] = [i for i in moe_cfg["layers"] if i not in cfg["mlp_only_layers"]
+                             and (i + 1) % cfg["decoder_sparse_step"] == 0]
     return moe_cfg
 
 def checked_yarn(scaling, path, entry="rope_scaling"):

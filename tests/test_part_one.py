@@ -181,3 +181,16 @@ def test_generate_refuses_text_at_the_call(checkpoint):
     li.load(checkpoint())
     with pytest.raises(TypeError, match="generate\\(\\) takes ids"):
         li.generate(PROMPT)
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "default"}, {}, {"type": "default"}])
+def test_part_one_alone_reads_a_plain_rope_said_so(checkpoint, tmp_path, scaling):
+    """A rope_scaling that names the plain RoPE (or none at all) is plain Qwen3: Part I alone
+    loads it itself, never reaching for load_checked() (which a copy of Part I lacks), and gives
+    the whole file's tokens."""
+    folder = Path(shutil.copytree(checkpoint(), tmp_path / "plain"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "rope_scaling": scaling}))
+    alone = part_one_alone(folder, "none")
+    li.load_checked(folder)
+    assert alone["greedy"] == list(li.generate(li.tokenize(PROMPT), max_tokens=12))
