@@ -106,6 +106,9 @@ def test_the_command_line_says_the_pool_and_what_it_read(qwen3_moe):
     assert r.returncode == 0, r.stderr
     assert "experts from disk: 3 of 8 a block in memory" in r.stdout.splitlines()[0]
     assert r.stdout.split("==========")[1] == resident.stdout.split("==========")[1]
+    weights = [re.search(r"Bytes per token: ([\d.]+) MB of weights", run.stdout)[1]
+               for run in (r, resident)]
+    assert weights[0] == weights[1]  # a pool's k of S slots: the k experts' bytes, as resident
     line = next(line for line in r.stdout.splitlines() if line.startswith("Experts from disk: "))
     assert "of the picks found in memory" in line and "MB read" in line and "resident" in line
     explained = run_cli("--model", folder, "-m", "6", "--memory", f"{memory / 1e9:.9f}",
@@ -126,6 +129,9 @@ def test_a_pool_too_small_names_the_least_that_works(qwen3_moe):
     least = r.stderr.split("the least that works is --memory ")[1].split()[0]
     ok = run_cli("--model", folder, "-m", "2", "--memory", least)
     assert ok.returncode == 0 and "experts from disk: 2 of 8" in ok.stdout, ok.stderr
+    one = budget(Path(folder), 1)  # room for 1 expert a block, where a token picks 2
+    assert_error(run_cli("--model", folder, "-m", "2", "--memory", f"{one / 1e9:.9f}"),
+                 "the least that works is --memory ")
 
 
 @pytest.mark.parametrize("fault", ["touched", "cut short", "removed"])
