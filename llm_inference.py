@@ -17,9 +17,10 @@ from tokenizers import Tokenizer
 
 # ═══ Part I — the article's script. Its constants hold Qwen3-0.6B's values until load() ═══
 # Names from later parts, each on a branch that plain Qwen3 (16-bit, its RoPE unscaled, one
-# process, one sequence) never takes; a copy may leave those branches out: load_checked (load:
-# other models), quantized_linear and SPLIT (linear), embed_quantized (embed), yarn
-# (rope_tables), qwen35_attention and attention_rows (attention), moe (ffn).
+# process, one sequence, a 16-bit cache) never takes; a copy may leave those branches out:
+# load_checked (load: other models), quantized_linear and SPLIT (linear), embed_quantized
+# (embed), yarn (rope_tables), qwen35_attention and attention_rows (attention), cache_write_bits
+# (cache_write), attend_bits (attend), moe (ffn).
 W = {}           # Hugging Face tensor name -> array, e.g. W["model.norm.weight"] (1024,)
 TOK = None       # tokenizers.Tokenizer from tokenizer.json: text <-> token ids
 D = 1024         # hidden_size: width of the residual stream
@@ -180,6 +181,8 @@ def queries_keys_values(x, p, rope):
 def cache_write(cache, layer_idx, k, v, start):
     """k, v (L, KV, hd) -> this layer's keys and values so far, (KV, S, hd); None: none yet. The
     article makes new K and V arrays each call (concatenate); here they go into buffers."""
+    if hasattr(cache, "in_bits") and cache.in_bits(layer_idx, start):  # fewer bits: Part II
+        return cache_write_bits(cache, layer_idx, k, v, start)
     end = start + k.shape[0]                                          # S: positions held after
     keys, values = cache[layer_idx] or (mx.zeros((k.shape[1], 0, k.shape[2]), k.dtype),) * 2
     if keys.shape[1] < end:                           # full: up to end, rounded up to GROW
@@ -195,6 +198,8 @@ def attend(q, k, v, visible):
     """q: (L, H, hd), k, v: (KV, S, hd) -> (L, H * hd): softmax(q k^T / sqrt(hd)) v per head. The
     article repeats each KV head for its 2 query heads (mx.repeat copies K and V); viewing the 16
     query heads as 8 sets of 2 pairs them the same way (query head h reads KV head h // 2)."""
+    if isinstance(k, tuple):  # keys and values in bits: Part II
+        return attend_bits(q, k, v, visible)
     L, H, hd = q.shape
     by_kv = q.transpose(1, 0, 2).reshape(k.shape[0], -1, L, hd)       # (8, 2, L, 128) heads first
     scores = by_kv @ k[:, None].swapaxes(-1, -2)                      # (8, 2, L, S)
@@ -1045,9 +1050,76 @@ def expert_spans(p, places, e):
             spans[f"{p}experts.down_proj{part}"] = each(down)
     return spans
 
+# ═══ The KV cache in fewer bits — keys and values kept as the weights are: 8 or 4 bits a number ═══
+# Qwen3-0.6B's cache holds 28 x 2 x 8 x 128 numbers a token, 112 KB in bfloat16: 15 GB at YaRN's
+# 131,072 positions. Kept in bits as the weights are (a scale and a bias for each group of 64
+# numbers along a head's width), 8 bits hold it in 53% of that, 4 bits in 28%. A cache made with
+# bits (KVCache) goes on in 16 bits until it holds quantized_start positions, then converts, and
+# quantises each key and value as it is written; attention reads it through mx.quantized_matmul,
+# never writing the unpacked keys out: mlx-lm's quantised attention, and its three flags.
+class KVCache(list):
+    """A cache (entries: one a layer, [None] * N_LAYERS at first) whose keys and values go into
+    bits (2 to 6, or 8), in groups of group_size along a head's width, once it holds
+    quantized_start positions: at its first write after the pass that reached them, as mlx-lm
+    converts its cache after a pass (so never in the first pass)."""
+    def __init__(self, entries, bits, group_size=64, quantized_start=5000):
+        super().__init__(entries)
+        self.bits, self.group_size, self.quantized_start = bits, group_size, quantized_start
+
+    def in_bits(self, layer_idx, start):  # does a write at start go into bits?
+        return isinstance(self[layer_idx], Quantized) or start >= max(self.quantized_start, 1)
+
+class Quantized(NamedTuple):  # a layer's keys and values in bits: (packed, scales, biases) each
+    keys: tuple       # (KV, S, hd * bits / 32) uint32, (KV, S, hd / group) twice
+    values: tuple
+
+def cache_write_bits(cache, layer_idx, k, v, start):
+    """cache_write() into bits: a 16-bit entry converted first (its buffers quantised whole), then
+    k, v (L, KV, hd) quantised and written at start.. -> the keys and values so far, (packed,
+    scales, biases) each, (KV, S, ...)."""
+    entry, end = cache[layer_idx], start + k.shape[0]
+    if not isinstance(entry, Quantized):  # the 16-bit keys and values so far, into bits
+        group, bits = cache.group_size, cache.bits
+        entry = Quantized(*(mx.quantize(a, group_size=group, bits=bits) for a in entry))
+    if entry.keys[0].shape[1] < end:  # full: up to end, rounded up to GROW
+        entry = Quantized(*(tuple(padded(a, 1, -(-end // GROW) * GROW) for a in kind)
+                            for kind in entry))                       # (KV, S rounded up, ...)
+    bits, group = kv_format(entry.keys, k.shape[-1])
+    for kind, new in zip(entry, (k, v)):
+        parts = mx.quantize(new.transpose(1, 0, 2), group_size=group, bits=bits)  # (KV, L, ...)
+        for a, part in zip(kind, parts):
+            a[:, start:end] = part                                    # positions start..end-1
+    cache[layer_idx] = entry
+    return tuple(tuple(a[:, :end] for a in kind) for kind in entry)   # (KV, S, ...) each
+
+def kv_format(packed, hd):  # a cache's (packed, scales, biases) -> its bits and group size
+    return packed[0].shape[-1] * 32 // hd, hd // packed[1].shape[-1]
+
+def kv_arrays(entry):  # a layer's keys and values -> their arrays (in bits: three each)
+    return [*entry.keys, *entry.values] if isinstance(entry, Quantized) else list(entry)
+
+def cut_at(entry, end):  # a layer's keys and values, positions 0..end-1 (None: all)
+    if isinstance(entry, Quantized):
+        return Quantized(*(tuple(a[:, :end] for a in kind) for kind in entry))
+    return entry[0][:, :end], entry[1][:, :end]
+
+def attend_bits(q, keys, values, visible):
+    """Step 5's attend() on keys and values in bits: q (L, H, hd), keys, values (packed, scales,
+    biases) (KV, S, ...) -> (L, H * hd). The products read the packed numbers directly."""
+    L, H, hd = q.shape
+    bits, group = kv_format(keys, hd)
+    by_kv = q.transpose(1, 0, 2).reshape(len(keys[0]), -1, L, hd)     # (8, 2, L, 128)
+    scores = mx.quantized_matmul(by_kv, *(a[:, None] for a in keys), transpose=True,
+                                 group_size=group, bits=bits)         # (8, 2, L, S) q k^T
+    scores = masked_scores(scores, visible, math.sqrt(hd))            # (8, 2, L, S) float32
+    probs = mx.softmax(scores, axis=-1).astype(q.dtype)               # (8, 2, L, S)
+    out = mx.quantized_matmul(probs, *(a[:, None] for a in values), transpose=False,
+                              group_size=group, bits=bits)            # (8, 2, L, 128) probs v
+    return out.reshape(H, L, hd).transpose(1, 0, 2).reshape(L, -1)    # (L, 2048)
+
 # ═══ Part III — See inside: the views that teach, for --explain and for a notebook ═══
 # Each takes plain values (ids, a cache, numbers), never the command line's flags.
-import os, shutil, sys, textwrap, time, timeit, unicodedata  # noqa: E401, E402
+import copy, os, shutil, sys, textwrap, timeit, unicodedata  # noqa: E401, E402
 from collections import Counter  # noqa: E402
 from functools import lru_cache  # noqa: E402
 
@@ -1103,7 +1175,10 @@ def attention_looks(prompt_ids, blocks, cache, start=0):
         else:
             rope = rope_tables(position, h.dtype)
             q = queries_keys_values(h, f"model.layers.{i}.self_attn.", rope)[0]
-        keys = cache[i][0][:, :S]                                     # (KV, S, hd)
+        keys = cache[i][0]                                            # (KV, S, hd)
+        if isinstance(cache[i], Quantized):  # in bits: unpacked, as dequantize() reads them
+            keys = dequantize(*keys, kv_format(keys, D_HEAD)[0])
+        keys = keys[:, :S]
         by_kv = q.reshape(keys.shape[0], -1, keys.shape[-1])          # (KV, 2, hd) as attend()'s
         scores = masked_scores(by_kv @ keys.swapaxes(-1, -2), mx.array(True), math.sqrt(
             keys.shape[-1]))                                          # (KV, 2, S) all visible
@@ -1127,8 +1202,9 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False, 
         raise ValueError(f"{len(written)} ids written after {len(token_ids)} positions")
     # Keys and values cut at start: the first write past it grows them into new buffers, and so
     # never lands in the run's. A DeltaNet's notes are new arrays at every token.
-    own = [entry if entry is None or deltanet(i) else (entry[0][:, :start], entry[1][:, :start])
-           for i, entry in enumerate(cache)]
+    own = copy.copy(cache)  # (a cache in bits, KVCache, stays one)
+    own[:] = [entry if entry is None or deltanet(i) else cut_at(entry, start)
+              for i, entry in enumerate(cache)]
     kept = [[(mx.zeros(0, mx.uint32), mx.zeros(0), mx.zeros(0))] for _ in range(N_LAYERS)]
     progress, line = progress and sys.stderr.isatty(), ""  # line: the progress line shown
     try:
@@ -1347,7 +1423,7 @@ def main(argv=None):
         elif len(prompts) > 1:
             reply_batch(texts, prompts, args)
         else:
-            reply(prompts[0], args, [None] * N_LAYERS, echo="" if args.chat else texts[0])
+            reply(prompts[0], args, new_cache(args), echo="" if args.chat else texts[0])
 
 def setup(argv, group):
     """main()'s flags, prompts, folder and files, each checked before any output -> args, the
@@ -1367,6 +1443,9 @@ def setup(argv, group):
                             "the chat tokens of Qwen3's instruct models")
     if args.chat and args.think is None:  # neither --think nor --no-think: the template's way
         args.think = thinks_first(folder)
+    if args.kv_bits and D_HEAD % args.kv_group_size:
+        raise UserError(f"--kv-group-size {args.kv_group_size} does not divide the heads' width "
+                        f"(head_dim {D_HEAD} in {folder / 'config.json'}): try 32")
     if args.draft == "mtp" and "mtp.fc.weight" not in W:
         raise UserError(f"{folder} has no MTP head (mtp.* tensors): --draft mtp needs Qwen3.5's "
                         "own; --draft lookup drafts with any model")
@@ -1417,6 +1496,12 @@ def parse_args(argv):
     thinking.add_argument("--no-think", dest="think", action="store_const", const=False,
                           help="thinking off, with --chat")
     add("--dtype", choices=["bfloat16", "float16", "float32"], help="none: the weights' own")
+    add("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="the KV cache in this many bits, "
+        "as the weights are quantised (none: the model's dtype)")
+    add("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+        help="--kv-bits: the numbers of a head's width that share a scale and a bias")
+    add("--quantized-kv-start", type=int, default=5000, metavar="N",
+        help="--kv-bits: the positions the cache holds before it goes into bits")
     add("--memory", type=float, metavar="GB", help="the most the weights may hold; a mixture's "
         "experts beyond it are read from disk when picked (none: what this machine can hold)")
     add("--show-probs", type=int, default=0, metavar="K", help="the K likeliest next tokens")
@@ -1449,7 +1534,8 @@ def parse_args(argv):
               (args.quiet and args.verbose, "--quiet and --verbose ask for opposites"),
               (args.seed is not None and not 0 <= args.seed < 2**64,
                "--seed must be from 0 to 2**64 - 1"),
-              (args.memory is not None and not args.memory > 0, "--memory must be more than 0")]
+              (args.memory is not None and not args.memory > 0, "--memory must be more than 0"),
+              (args.quantized_kv_start < 0, "--quantized-kv-start must be 0 or more")]
     for wrong, message in checks:
         if wrong:
             ap.error(message)
@@ -1483,6 +1569,9 @@ def read_prompts(args):
         raise UserError("--explain and --show-probs show one prompt: give one (see --help)")
     if len(texts) > 1 and args.draft:
         raise UserError("--draft decodes one prompt at a time: give one (see --help)")
+    if len(texts) > 1 and args.kv_bits:
+        raise UserError("--kv-bits keeps one prompt's cache in bits, not a batch's: give one "
+                        "(see --help)")
     return texts or [None]
 
 def summary(folder, cfg):
@@ -1531,7 +1620,7 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
     for pool in POOLS.values():  # (experts from disk: what each answer found and read)
         pool.counts = dict.fromkeys(pool.counts, 0)
     blocks = [] if args.explain else None  # x after each block, for --explain
-    before = list(cache)  # as it is at start, for --explain's pass (the run writes cache)
+    before = copy.copy(cache)  # as it is at start, for --explain's pass (the run writes cache)
     counts, tic = {}, time.perf_counter()  # counts: what --draft drafted, accepted, passes
     logits, hidden = read_prompt(prompt_ids, args.draft, cache, start, keep, blocks, chunk)
     if args.explain or args.show_probs:  # their own time is kept off the prompt's clock
@@ -1571,6 +1660,11 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
             if not args.chat:  # a plain run ends at Ctrl-C; a chat keeps the answer and cache
                 raise
     return generated
+
+def new_cache(args):  # an empty KV cache, an entry a layer: in bits with --kv-bits (Part II)
+    if args.kv_bits is None:
+        return [None] * N_LAYERS
+    return KVCache([None] * N_LAYERS, args.kv_bits, args.kv_group_size, args.quantized_kv_start)
 
 def note(text):  # a line on stderr, said once (several processes: by rank 0)
     if GROUP is None or GROUP.rank() == 0:
@@ -1635,7 +1729,12 @@ def print_stats(n_prompt, n, tic, t_first, cache, prompt_end, passes=None, mtp=F
     print("Peak memory: " + ", ".join(f"{peak / 1e9:.3f} GB" + (f" (rank {r})" if GROUP else "")
                                       for r, peak in enumerate(peaks)))
     held = prompt_end + n  # the positions the cache holds now
-    print(f"KV cache: {held} positions, {cache_bytes(cache, held) / 1e6:.3f} MB "
+    bits = ""
+    if isinstance(cache, KVCache):  # (its bits from quantized_start on)
+        bits = (f" in {cache.bits} bits, groups of {cache.group_size}" if any(
+            isinstance(entry, Quantized) for entry in cache) else
+            f" (in {cache.bits} bits from position {cache.quantized_start})")
+    print(f"KV cache: {held} positions{bits}, {cache_bytes(cache, held) / 1e6:.3f} MB "
           f"({cache_bytes(cache) / 1e6:.3f} MB allocated)")
     if POOLS:  # experts from disk: what the pools held, found and read
         print_pools(n, time.perf_counter() - tic)
@@ -1702,7 +1801,7 @@ def cache_bytes(cache, held=None, kind="full_attention"):
     layers = [c for i, c in enumerate(cache) if c is not None and deltanet(i) == notes]
     if notes:
         return sum(a.nbytes for c in layers for a in c)
-    return sum(keys[:, :held].nbytes + values[:, :held].nbytes for keys, values in layers)
+    return sum(a.nbytes for entry in layers for a in kv_arrays(cut_at(entry, held)))
 
 # ─── A batch ───
 
@@ -1784,7 +1883,7 @@ def chat_turns(args, at_terminal):
     terminal the prompt goes through the model STEP tokens at a time (--draft's passes too): MLX
     computes a step whole, so Ctrl-C takes effect after at most one (a CHUNK's wait would be
     seconds; through a pipe, CHUNK it is)."""
-    turns, cache, cached_ids, saved, mark = [], [None] * N_LAYERS, [], None, 0
+    turns, cache, cached_ids, saved, mark = [], new_cache(args), [], None, 0
     think = args.think is not False  # (main() has read the template's way into it)
     while True:
         try:  # a line typed at the ">> " prompt, or read from a pipe

@@ -13,14 +13,14 @@ def test_help_shows_every_flag_with_its_default(checkpoint):
     r = run_cli("--help")
     assert r.returncode == 0 and r.stderr == ""
     flags = re.findall(r"^  (--[\w-]+)", r.stdout, re.M)
-    assert len(flags) == 23 and "--top-k" in flags and "--quiet" in flags
+    assert len(flags) == 26 and "--top-k" in flags and "--quiet" in flags
     text = " ".join(r.stdout.split())  # argparse wraps the help text
     options = text.split("options: ")[1]
     for flag, default in [("--max-tokens", "100"), ("--temperature", "0.0"), ("--top-p", "1.0"),
                           ("--top-k", "0"), ("--min-p", "0.0"), ("--batch-size", "8")]:
         after = options[options.index(f" {flag} "):]  # the flag's help, then its default
         assert re.search(r"\(default: ([^)]*)\)", after).group(1) == default, flag
-    assert text.count("(default: ") == 23
+    assert text.count("(default: ") == 26
 
 
 def test_quiet_prints_the_completion_only(checkpoint):

@@ -576,3 +576,17 @@ def test_the_context_limit_note_is_said_once(checkpoint, prompts):
     assert error_lines(r.stderr) == [], shown(r)
     assert r.stdout == one.stdout, shown(r)
     assert r.stderr.count(NOTE) == 1, shown(r)
+
+
+def test_a_kv_cache_in_bits_under_two_processes_is_one_processs(checkpoint):
+    """--kv-bits 4 under mlx.launch: each rank keeps its own heads' keys and values in bits; the
+    text is one process's with the same flags."""
+    folder = checkpoint()
+    assert divisible(folder, 2)
+    args = ["--model", str(folder), "-p", PROMPT, "-m", "10", "--kv-bits", "4",
+            "--kv-group-size", "32", "--quantized-kv-start", "0"]
+    one = run_cli(*args)
+    r = launch(2, *args)
+    assert one.returncode == 0 and error_lines(r.stderr) == [], shown(r)
+    assert completion(r.stdout) == completion(one.stdout), shown(r)
+    assert "in 4 bits, groups of 32" in r.stdout, shown(r)

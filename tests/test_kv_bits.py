@@ -1,0 +1,116 @@
+"""The KV cache in fewer bits (Part II): keys and values quantised as they enter the cache, in
+groups along a head's width, once it holds --quantized-kv-start positions, and attention read
+through mx.quantized_matmul. Greedy tokens equal mlx-lm's with the same flags on the same weights
+(float32: the two order a scale's product differently, ~1e-7, far below these fixtures' gaps
+between the likeliest logits), on dense Qwen3, Qwen3-MoE and Qwen3.5 (its DeltaNet state kept);
+chat's reuse, drafting and several processes keep the cache in bits; a batch is refused."""
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
+
+import llm_inference as li
+from test_cli_errors import assert_error, run_cli
+
+TEXT = "The capital of France is Paris. The capital of Japan is Tokyo. Once upon a time there " \
+       "was a small model that learned"
+
+
+def mlx_lm_tokens(folder, ids, n, bits, group, start):
+    """mlx-lm's greedy ids after ids, n steps, with kv_bits, kv_group_size, quantized_kv_start."""
+    model, _ = load_model(Path(folder))
+    steps = generate_step(mx.array(ids), model, max_tokens=n, kv_bits=bits, kv_group_size=group,
+                          quantized_kv_start=start)
+    return [int(token) for token, _ in steps]
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "qwen3_5"])
+@pytest.mark.parametrize("bits, start", [(8, 0), (4, 0), (4, 20)])
+def test_tokens_equal_mlx_lms_with_the_same_flags(checkpoint, qwen3_moe, qwen35, tokenizer, model,
+                                                 bits, start):
+    """The same flags, the same weights: our greedy ids are mlx-lm's (up to an EOS, which ours
+    stops before); start 20 converts the cache mid-answer, where mlx-lm does."""
+    folder = {"qwen3": checkpoint, "qwen3_moe": qwen3_moe, "qwen3_5": qwen35}[model]()
+    ids = tokenizer.encode(TEXT).ids
+    li.load_checked(folder)
+    cache = li.KVCache([None] * li.N_LAYERS, bits, 32, start)
+    ours = list(li.generate(ids, 24, cache=cache))
+    assert any(isinstance(entry, li.Quantized) for entry in cache)
+    theirs = mlx_lm_tokens(folder, ids, 24, bits, 32, start)
+    assert ours == theirs[:len(ours)] and (len(ours) == 24 or theirs[len(ours)] in li.EOS_IDS)
+
+
+def test_the_cache_in_bits_is_the_bits_of_the_keys(checkpoint, tokenizer):
+    """After the prompt, each layer's keys in bits are mx.quantize of the 16-bit run's keys for
+    the positions both computed alike (all but the last, which reads a cache in bits), and Part
+    II's dequantize() reads them back as MLX's mx.dequantize does."""
+    li.load_checked(checkpoint())
+    ids = tokenizer.encode(TEXT).ids
+    plain, quantized = [None] * li.N_LAYERS, li.KVCache([None] * li.N_LAYERS, 8, 32, 0)
+    li.prefill(ids, plain)
+    li.prefill(ids, quantized)
+    n = len(ids) - 1
+    for entry, (keys, _) in zip(quantized, plain):
+        want = mx.quantize(keys[:, :n], group_size=32, bits=8)
+        got = [a[:, :n] for a in entry.keys]
+        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+        assert mx.allclose(li.dequantize(*got, 8), mx.dequantize(*want, group_size=32, bits=8),
+                           atol=1e-6).item()
+
+
+def test_drafting_and_a_chats_reuse_keep_the_cache_in_bits(checkpoint, tokenizer):
+    """generate_draft() over a cache in bits gives generate()'s ids over one (both convert after
+    the prompt); a continued cache (a chat's next turn) equals one filled in a single pass."""
+    li.load_checked(checkpoint())
+    ids = tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,").ids
+    alone = list(li.generate(ids, 16, cache=li.KVCache([None] * li.N_LAYERS, 4, 32, 0)))
+    drafted = list(li.generate_draft(ids, 16, cache=li.KVCache([None] * li.N_LAYERS, 4, 32, 0)))
+    assert drafted == alone
+    first, more = tokenizer.encode(TEXT).ids, tokenizer.encode(" And then").ids
+    cache = li.KVCache([None] * li.N_LAYERS, 8, 32, 0)
+    answer = list(li.generate(first, 6, cache=cache))
+    again = list(li.generate(more, 6, cache=cache, start=len(first) + len(answer)))
+    whole = li.KVCache([None] * li.N_LAYERS, 8, 32, 0)
+    li.prefill(first, whole)  # the same conversion point: after the first prompt's pass
+    assert list(li.generate(answer + more, 6, cache=whole, start=len(first)))[:len(again)] \
+        == again
+
+
+def test_the_command_line_says_the_bits_and_the_true_size(checkpoint):
+    """--kv-bits 8 --kv-group-size 32 --quantized-kv-start 0: the KV cache line names the bits and
+    counts the packed numbers, scales and biases: per position, per layer, keys and values,
+    KV heads x (head_dim bytes at 8 bits + 2 x head_dim / 32 float32s)."""
+    folder = str(checkpoint())
+    r = run_cli("--model", folder, "-m", "8", "--kv-bits", "8", "--kv-group-size", "32",
+                "--quantized-kv-start", "0")
+    assert r.returncode == 0, r.stderr
+    line = next(line for line in r.stdout.splitlines() if line.startswith("KV cache: "))
+    li.load_checked(Path(folder))
+    positions = int(line.split()[2])
+    each = li.N_LAYERS * 2 * li.N_KV * (li.D_HEAD + 2 * li.D_HEAD // 32 * 4)
+    assert f"positions in 8 bits, groups of 32, {positions * each / 1e6:.3f} MB" in line, line
+
+
+def test_what_the_cache_in_bits_refuses(checkpoint):
+    """A group that does not divide the heads' width, a batch: one line each, exit 1."""
+    folder = str(checkpoint())
+    assert_error(run_cli("--model", folder, "--kv-bits", "4"), "--kv-group-size 64 does not divide")
+    assert_error(run_cli("--model", folder, "--kv-bits", "4", "-p", "a", "-p", "b"),
+                 "--kv-bits keeps one prompt's cache in bits, not a batch's")
+    assert_error(run_cli("--kv-bits", "7"), "--kv-bits")
+
+
+def test_explain_and_a_chat_run_over_a_cache_in_bits(checkpoint):
+    """--explain's views and a piped chat's second turn (its cache reused) over a cache in bits."""
+    bits = ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]
+    folder = str(checkpoint())
+    r = run_cli("--model", folder, "-m", "4", "--explain", *bits)
+    assert r.returncode == 0 and "the answer forming" in r.stdout, r.stderr
+    chat = run_cli("--model", folder, "--chat", "-m", "4", *bits, stdin=b"hello\nand more\n")
+    assert chat.returncode == 0, chat.stderr
+    reused = [int(n) for n in re.findall(r"\[KV cache: (\d+) tokens reused", chat.stdout)]
+    assert len(reused) == 2 and reused[1] > 0, chat.stdout
+    assert chat.stdout.count("in 8 bits, groups of 32") == 2, chat.stdout
