@@ -15,6 +15,8 @@
     python tests/benchmark.py --qwen35 --draft mtp   # drafting: heads that agree, half agree, random
     python tests/benchmark.py --draft lookup         # prompt lookup on Qwen3, a repetitive prompt
     python tests/benchmark.py --bandwidth            # --explain's memory figure beside numpy's copy
+    python tests/benchmark.py --kv-bits 8 --contexts 4096,16384   # the KV cache in bits, both
+                                                     # (from position 0), and its memory
     python tests/benchmark.py --moe --stream --dtype float32 --quantize 4   # experts from disk:
                                                      # pools of 50%, 25%, 12.5% against resident
     python tests/benchmark.py --ranks                # tensor parallel rows, one process; and two:
@@ -45,6 +47,7 @@ First it prints how many kernels one decoded token launches per layer, ours and 
 test_ prefix).
 """
 import argparse
+import copy
 import os
 import re
 import statistics
@@ -113,24 +116,34 @@ def timed(tokens, n_prompt):
 
 
 class Ours:
+    def __init__(self, kv_bits=None):  # kv_bits: the cache in bits from position 0 (group 64)
+        self.kv_bits = kv_bits
+
+    def new_cache(self):
+        if self.kv_bits is None:
+            return [None] * li.N_LAYERS
+        return li.KVCache([None] * li.N_LAYERS, self.kv_bits, 64, 0)
+
     def generate(self, ids, max_tokens):
-        return li.generate(ids, max_tokens=max_tokens)
+        return li.generate(ids, max_tokens=max_tokens, cache=self.new_cache())
 
     def prefill(self, ids):
-        cache = [None] * li.N_LAYERS
+        cache = self.new_cache()
         mx.eval(li.prefill(ids, cache), cache)  # the cache holds exactly the ids
         return cache
 
     def decode(self, cache, start, token, max_tokens):
-        return li.generate([token], max_tokens=max_tokens, cache=list(cache), start=start)
+        return li.generate([token], max_tokens=max_tokens, cache=copy.copy(cache), start=start)
 
 
 class MlxLm:
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, kv_bits=None):
+        self.model, self.kv = model, {} if kv_bits is None else dict(
+            kv_bits=kv_bits, kv_group_size=64, quantized_kv_start=0)
 
     def generate(self, ids, max_tokens):
-        return (int(t) for t, _ in generate_step(mx.array(ids), self.model, max_tokens=max_tokens))
+        return (int(t) for t, _ in generate_step(mx.array(ids), self.model, max_tokens=max_tokens,
+                                                 **self.kv))
 
     def prefill(self, ids):
         cache = make_prompt_cache(self.model)
@@ -147,7 +160,8 @@ class MlxLm:
         return self.generate_with(cache, [token], max_tokens)
 
     def generate_with(self, cache, ids, max_tokens):
-        steps = generate_step(mx.array(ids), self.model, max_tokens=max_tokens, prompt_cache=cache)
+        steps = generate_step(mx.array(ids), self.model, max_tokens=max_tokens, prompt_cache=cache,
+                              **self.kv)
         return (int(t) for t, _ in steps)
 
 
@@ -382,6 +396,7 @@ def main():
     ap.add_argument("--draft", choices=["mtp", "lookup"], help="the drafting rows only")
     ap.add_argument("--bandwidth", action="store_true", help="--explain's figure beside numpy's copy")
     ap.add_argument("--stream", action="store_true", help="experts from disk (with --moe)")
+    ap.add_argument("--kv-bits", type=int, choices=[4, 8], help="the KV cache in bits, from 0")
     ap.add_argument("--ranks", action="store_true",
                     help="under mlx.launch -n N: ours against mlx-lm's sharded_load")
     args = ap.parse_args()
@@ -439,7 +454,8 @@ def main():
         batch_rows(model, [int(b) for b in args.batches.split(",")], args.runs,
                    not args.no_plain_runs)
         return
-    impls = {"ours": (Ours(), bytes_ref), "mlx-lm": (MlxLm(model), bytes_ours)}
+    impls = {"ours": (Ours(args.kv_bits), bytes_ref), "mlx-lm": (MlxLm(model, args.kv_bits),
+                                                                bytes_ours)}
     vocab = li.TOK.get_vocab_size() - 10  # ordinary tokens only
     prompt = lambda n: [(7 * i + 3) % vocab for i in range(n)]  # noqa: E731
     contexts = [int(n) for n in args.contexts.split(",") if n]
