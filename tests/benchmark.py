@@ -503,7 +503,23 @@ def main():
     for n in contexts:
         a, b = (peaks[(n, name)] for name in impls)
         print(f"{f'peak memory GB, {n}':<24}{a / 1e9:>10.3f}{b / 1e9:>10.3f}{a / b:>7.2f}x")
+    if args.kv_bits:  # what the bits cost: where greedy answers part from the dtype's cache
+        for n in contexts:
+            plain = list(li.generate(prompt(n), 64))
+            bits = list(li.generate(prompt(n), 64, cache=Ours(args.kv_bits).new_cache()))
+            first = next((i for i, (a, b) in enumerate(zip(plain, bits)) if a != b), None)
+            print(f"after {n} tokens, greedy, {args.kv_bits}-bit cache: "
+                  f"{'the same 64 tokens' if first is None else f'first differs at token {first + 1}'}"
+                  f" (in {li.W['model.norm.weight'].dtype}: {ours_cache_mb(n):.1f} MB, in bits "
+                  f"{ours_cache_mb(n, args.kv_bits):.1f} MB)")
     print(f"({time.perf_counter() - started:.0f} s)")
+
+
+def ours_cache_mb(n, bits=None):
+    """The KV cache's MB for n positions, filled by a prefill: the dtype's, or in bits from 0."""
+    cache = Ours(bits).new_cache()
+    mx.eval(li.prefill([5] * n, cache), cache)
+    return li.cache_bytes(cache, n) / 1e6
 
 
 if __name__ == "__main__":
