@@ -1617,8 +1617,6 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
     if prompt_end + args.max_tokens > MAX_POS:
         note(f"generation stops at the context limit, {MAX_POS} tokens")
     mx.reset_peak_memory()  # each answer's peak its own (a chat's earlier turns, --explain's)
-    for pool in POOLS.values():  # (experts from disk: what each answer found and read)
-        pool.counts = dict.fromkeys(pool.counts, 0)
     blocks = [] if args.explain else None  # x after each block, for --explain
     before = copy.copy(cache)  # as it is at start, for --explain's pass (the run writes cache)
     counts, tic = {}, time.perf_counter()  # counts: what --draft drafted, accepted, passes
@@ -1634,6 +1632,8 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
         tic += time.perf_counter() - paused
     if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
         raise not_finite("after the prompt", logits.dtype)
+    for pool in POOLS.values():  # experts from disk: what the answer's tokens found and read
+        pool.counts = dict.fromkeys(pool.counts, 0)
     print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
     generated, t_first, sampler = [] if generated is None else generated, None, sampler_of(args)
     if args.draft:
@@ -1737,7 +1737,7 @@ def print_stats(n_prompt, n, tic, t_first, cache, prompt_end, passes=None, mtp=F
     print(f"KV cache: {held} positions{bits}, {cache_bytes(cache, held) / 1e6:.3f} MB "
           f"({cache_bytes(cache) / 1e6:.3f} MB allocated)")
     if POOLS:  # experts from disk: what the pools held, found and read
-        print_pools(n, time.perf_counter() - tic)
+        print_pools(n, time.perf_counter() - t_first)
     if MODEL == "qwen3_5":  # the other memory
         print(f"DeltaNet state: {QWEN35['layer_types'].count('linear_attention')} layers, "
               f"{cache_bytes(cache, kind='linear_attention') / 1e6:.3f} MB at any length")
@@ -1759,16 +1759,17 @@ def print_stats(n_prompt, n, tic, t_first, cache, prompt_end, passes=None, mtp=F
     return per_token * rate
 
 def print_pools(n, seconds):
-    """Experts from disk, over an answer of n tokens that took seconds: the share of the picks
-    (each block's experts a pass) the pools held, the bytes read and how fast, and this process's
-    most resident memory (the operating system's count: MLX's buffers, Python, the files' reads)."""
+    """Experts from disk, over the n tokens of an answer that took seconds (its prompt's pass
+    left out): the share of the picks (a block's experts a pass) the pools held, the bytes read
+    and how fast, and this process's most resident memory (the operating system's count: MLX's
+    buffers, Python, the reads')."""
     total = {key: sum(pool.counts[key] for pool in POOLS.values()) for key in ("found", "wanted",
                                                                               "bytes", "seconds")}
     found, read = total["found"] / max(total["wanted"], 1), total["bytes"]
     speed = read / total["seconds"] if total["seconds"] else 0.0
     print(f"Experts from disk: {found:.1%} of the picks found in memory; {read / 1e6:.1f} MB read "
           f"({read / max(n, 1) / 1e6:.2f} MB a token) at {speed / 1e9:.2f} GB/s, "
-          f"{total['seconds']:.2f} s of the answer's {seconds:.2f}; the process: "
+          f"{total['seconds']:.2f} s of the answer's {seconds:.2f} s; the process: "
           f"{resident_peak() / 1e9:.3f} GB resident at most")
 
 def resident_peak():  # this process's most resident memory so far, bytes

@@ -124,8 +124,8 @@ class Ours:
             return [None] * li.N_LAYERS
         return li.KVCache([None] * li.N_LAYERS, self.kv_bits, 64, 0)
 
-    def generate(self, ids, max_tokens):
-        return li.generate(ids, max_tokens=max_tokens, cache=self.new_cache())
+    def generate(self, ids, max_tokens):  # (a generator: li.generate() prefills when called,
+        yield from li.generate(ids, max_tokens=max_tokens, cache=self.new_cache())  # timed here)
 
     def prefill(self, ids):
         cache = self.new_cache()
@@ -133,7 +133,7 @@ class Ours:
         return cache
 
     def decode(self, cache, start, token, max_tokens):
-        return li.generate([token], max_tokens=max_tokens, cache=copy.copy(cache), start=start)
+        yield from li.generate([token], max_tokens=max_tokens, cache=copy.copy(cache), start=start)
 
 
 class MlxLm:
