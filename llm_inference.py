@@ -1765,11 +1765,12 @@ def print_pools(n, seconds):
     buffers, Python, the reads')."""
     total = {key: sum(pool.counts[key] for pool in POOLS.values()) for key in ("found", "wanted",
                                                                               "bytes", "seconds")}
-    found, read = total["found"] / max(total["wanted"], 1), total["bytes"]
-    speed = read / total["seconds"] if total["seconds"] else 0.0
-    print(f"Experts from disk: {found:.1%} of the picks found in memory; {read / 1e6:.1f} MB read "
-          f"({read / max(n, 1) / 1e6:.2f} MB a token) at {speed / 1e9:.2f} GB/s, "
-          f"{total['seconds']:.2f} s of the answer's {seconds:.2f} s; the process: "
+    found, each = total["found"] / max(total["wanted"], 1), 1e3 / max(n, 1)  # (ms a token)
+    speed = total["bytes"] / total["seconds"] if total["seconds"] else 0.0  # the disk's, here
+    print(f"Experts from disk: {found:.1%} of the picks found in memory; a token took "
+          f"{seconds * each:.1f} ms: {(seconds - total['seconds']) * each:.1f} computing, "
+          f"{total['seconds'] * each:.1f} reading {total['bytes'] * each / 1e9:.2f} MB at "
+          f"{speed / 1e9:.2f} GB/s (compute + bytes missed / the disk's speed); the process: "
           f"{resident_peak() / 1e9:.3f} GB resident at most")
 
 def resident_peak():  # this process's most resident memory so far, bytes

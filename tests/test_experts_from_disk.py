@@ -110,7 +110,10 @@ def test_the_command_line_says_the_pool_and_what_it_read(qwen3_moe):
                for run in (r, resident)]
     assert weights[0] == weights[1]  # a pool's k of S slots: the k experts' bytes, as resident
     line = next(line for line in r.stdout.splitlines() if line.startswith("Experts from disk: "))
-    assert "of the picks found in memory" in line and "MB read" in line and "resident" in line
+    parts = r"a token took ([\d.]+) ms: ([\d.]+) computing, ([\d.]+) reading [\d.]+ MB at"
+    took, computing, reading = (float(x) for x in re.search(parts, line).groups())
+    assert abs(took - computing - reading) <= 0.11 and reading > 0, line  # (each rounded)
+    assert "of the picks found in memory" in line and "GB resident at most" in line
     explained = run_cli("--model", folder, "-m", "6", "--memory", f"{memory / 1e9:.9f}",
                         "--explain")
     assert explained.returncode == 0 and "the experts at work" in explained.stdout, \
@@ -219,3 +222,16 @@ def test_a_mixture_two_and_a_half_times_the_budget_stays_under_it(qwen3_moe, che
     assert resident > base + 0.9 * weights, (resident, base, weights)
     same = run_cli("--model", str(folder), "--memory", f"{memory / 1e9:.9f}", *flags)
     assert same.stdout == run_cli("--model", str(folder), *flags).stdout
+
+
+def test_a_chat_streams_as_it_runs_resident(qwen3_moe):
+    """A piped chat of two turns (the second reusing the cache) over the pools: the resident
+    chat's answers."""
+    folder = str(qwen3_moe())
+    memory = budget(Path(folder), 3)
+    turns = b"hello there\nand then\n"
+    resident = run_cli("--model", folder, "--chat", "-m", "6", "-q", stdin=turns)
+    r = run_cli("--model", folder, "--chat", "-m", "6", "-q", "--memory", f"{memory / 1e9:.9f}",
+                stdin=turns)
+    assert r.returncode == 0 and resident.returncode == 0, r.stderr
+    assert r.stdout == resident.stdout and r.stdout.count("\n") == 2, r.stdout  # two answers
