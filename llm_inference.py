@@ -1054,7 +1054,7 @@ def expert_spans(p, places, e):
 # Qwen3-0.6B's cache holds 28 x 2 x 8 x 128 numbers a token, 112 KB in bfloat16: 15 GB at YaRN's
 # 131,072 positions. Kept in bits as the weights are (a scale and a bias for each group of 64
 # numbers along a head's width), 8 bits hold it in 53% of that, 4 bits in 28%. A cache made with
-# bits (KVCache) goes on in 16 bits until it holds quantized_start positions, then converts, and
+# bits (KVCache) stays in the model's dtype until it holds quantized_start positions, converts, and
 # quantises each key and value as it is written; attention reads it through mx.quantized_matmul,
 # never writing the unpacked keys out: mlx-lm's quantised attention, and its three flags.
 class KVCache(list):
@@ -1090,7 +1090,7 @@ def cache_write_bits(cache, layer_idx, k, v, start):
         for a, part in zip(kind, parts):
             a[:, start:end] = part                                    # positions start..end-1
     cache[layer_idx] = entry
-    return tuple(tuple(a[:, :end] for a in kind) for kind in entry)   # (KV, S, ...) each
+    return cut_at(entry, end)                                         # (KV, S, ...) each
 
 def kv_format(packed, hd):  # a cache's (packed, scales, biases) -> its bits and group size
     return packed[0].shape[-1] * 32 // hd, hd // packed[1].shape[-1]
