@@ -728,6 +728,25 @@ def prefill_rows(prompts):
         mx.eval(cache)
     return cache
 
+def seat(waiting, slots, batch_size, cache):
+    """Waiting prompts (Rows) into the free slots, up to batch_size, each prompt's cache filled
+    apart (prefill_rows(), several side by side) and taken into the batch's (take_slots())."""
+    joining = []
+    while waiting and (None in slots or len(slots) < batch_size):  # a free slot: a prompt
+        if None in slots:  # one a sequence left
+            b = slots.index(None)
+            slots[b] = waiting.pop(0)
+        else:  # a new one at the end
+            b = len(slots)
+            slots.append(waiting.pop(0))
+        joining.append(b)
+    prefills = {}  # slot numbers prefilled side by side: Qwen3's all, Qwen3.5's by length
+    for b in joining:  # (a DeltaNet's notes cannot be padded: its rows of one length each)
+        length = len(slots[b].ids) if MODEL == "qwen3_5" else 0
+        prefills.setdefault(length, []).append(b)
+    for numbers in prefills.values():
+        take_slots(cache, numbers, prefill_rows([slots[b].ids for b in numbers]))
+
 def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=None):
     """Yield (i, id) for the tokens of prompts[i] (lists of ids): greedy, each as generate() gives
     it alone; sampled, from the same distributions (the draws are the batch's, not a lone run's).
@@ -737,21 +756,7 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
     waiting, slots = [Row(i, ids, max_tokens) for i, ids in enumerate(prompts)], []
     cache = [None] * N_LAYERS  # one per layer for all slots; slots[b]: the Row in slot b
     while waiting or slots:
-        joining = []
-        while waiting and (None in slots or len(slots) < batch_size):  # a free slot: a prompt
-            if None in slots:  # one a sequence left
-                b = slots.index(None)
-                slots[b] = waiting.pop(0)
-            else:  # a new one at the end
-                b = len(slots)
-                slots.append(waiting.pop(0))
-            joining.append(b)
-        prefills = {}  # slot numbers prefilled side by side: Qwen3's all, Qwen3.5's by length
-        for b in joining:  # (a DeltaNet's notes cannot be padded: its rows of one length each)
-            length = len(slots[b].ids) if MODEL == "qwen3_5" else 0
-            prefills.setdefault(length, []).append(b)
-        for numbers in prefills.values():
-            take_slots(cache, numbers, prefill_rows([slots[b].ids for b in numbers]))
+        seat(waiting, slots, batch_size, cache)
         # A joining row's last id rides in the next batch pass at its own position: that row's
         # logits are its prompt's, and the weights are read once for all rows, not once more.
         # Free slots go once no prompt is left to take them; positions past every row's reach
