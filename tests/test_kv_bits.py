@@ -114,3 +114,20 @@ def test_explain_and_a_chat_run_over_a_cache_in_bits(checkpoint):
     reused = [int(n) for n in re.findall(r"\[KV cache: (\d+) tokens reused", chat.stdout)]
     assert len(reused) == 2 and reused[1] > 0, chat.stdout
     assert chat.stdout.count("in 8 bits, groups of 32") == 2, chat.stdout
+    explained = run_cli("--model", folder, "--chat", "-m", "4", "--explain", *bits,
+                        stdin=b"hello\nand more\n")  # the second turn's lens: a cache in bits
+    assert explained.returncode == 0, explained.stderr
+    assert explained.stdout.count("the answer forming") == 2, explained.stdout
+
+
+def test_a_cache_in_bits_written_again_before_its_start_stays_in_bits(checkpoint, tokenizer):
+    """A cache converted at 30 positions, then reused from position 10 (a chat's next turn that
+    shares 10, before quantized_start): its writes stay in bits (a write in the model's dtype
+    into keys in bits would fail)."""
+    li.load_checked(checkpoint())
+    ids = tokenizer.encode(TEXT).ids
+    cache = li.KVCache([None] * li.N_LAYERS, 8, 32, 30)
+    list(li.generate(ids, 4, cache=cache))
+    assert all(isinstance(entry, li.Quantized) for entry in cache)
+    again = list(li.generate(ids[10:20], 6, cache=cache, start=10))
+    assert all(isinstance(entry, li.Quantized) for entry in cache) and len(again) > 0
