@@ -654,24 +654,28 @@ def take_slots(cache, numbers, own):
     for i, entry in enumerate(own):
         if cache[i] is None and entry is None:  # nothing in this layer yet: made on first write
             continue
+        if isinstance(cache[i], Quantized) or isinstance(entry, Quantized):  # one in bits: both
+            cache[i], entry = (None if e is None else to_bits(e, cache) for e in (cache[i], entry))
         if cache[i] is None:
-            cache[i] = tuple(mx.zeros((0, *a.shape[1:]), a.dtype) for a in entry)
-        arrays = [padded(a, 0, max(numbers) + 1) for a in cache[i]]    # (B, ...) slots added
+            cache[i] = kv_entry([mx.zeros((0, *a.shape[1:]), a.dtype) for a in kv_arrays(entry)])
+        arrays = [padded(a, 0, max(numbers) + 1) for a in kv_arrays(cache[i])]  # slots added
         for j, a in enumerate(arrays):
-            given = mx.zeros_like(a[index]) if entry is None else entry[j]  # (G, ...)
+            given = mx.zeros_like(a[index]) if entry is None else kv_arrays(entry)[j]  # (G, ..)
             arrays[j] = a = padded(a, 2, given.shape[2])
             a[index, :, :given.shape[2]] = given
-        cache[i] = tuple(arrays)
+        cache[i] = kv_entry(arrays)
 
 def trimmed(entry, layer_idx, live, room):  # a layer's cache: the live slots, positions < room
     if entry is None or deltanet(layer_idx):  # (a DeltaNet's notes have no positions)
         return entry and tuple(a[live] for a in entry)
-    return tuple(mx.contiguous(a[live][:, :, :room]) for a in entry)  # (B, 8, room, 128)
+    return kv_entry([mx.contiguous(a[live][:, :, :room]) for a in kv_arrays(entry)])
 
 def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     """q, k, v (B * L, heads, hd): L tokens of each of B rows at positions (B * L,), written into
     slot b -> (B * L, H * hd): Step 5's cache_write() and attend(), visible (B, L, S) each row's."""
     B, L, S = visible.shape
+    if hasattr(cache, "in_bits") and cache.in_bits(layer_idx, S - L):  # the longest row's start
+        return attend_rows_bits(cache, layer_idx, q, k, v, positions, visible)
     q, k, v = (t.reshape(B, L, *t.shape[1:]) for t in (q, k, v))     # (B, L, heads, hd)
     keys, values = cache[layer_idx] or (mx.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype),) * 2
     room = -(-S // GROW) * GROW                                       # S up to a multiple of GROW
@@ -717,12 +721,14 @@ def forward_rows(token_ids, cache, starts):
 def forward_batch(token_ids, cache, starts):  # one id of each row (B,) -> logits (B, vocab)
     return forward_rows(token_ids[:, None], cache, starts)[:, -1]     # (B, vocab)
 
-def prefill_rows(prompts):
-    """Step 9's prefill() side by side, all but each last id -> a cache, a slot each. Qwen3's
-    shorter prompts padded at the end (keys written over before any query sees them)."""
+def prefill_rows(prompts, like):
+    """Step 9's prefill() side by side, all but each last id -> a cache, a slot each, kept as
+    like is (a KVCache: in bits). Qwen3's shorter prompts padded at the end (keys written over
+    before any query sees them)."""
     longest = max(len(ids) for ids in prompts) - 1
     earlier = mx.array([ids[:-1] + [0] * (longest + 1 - len(ids)) for ids in prompts])  # (G, ..)
-    cache = [None] * N_LAYERS
+    cache = copy.copy(like)
+    cache[:] = [None] * N_LAYERS
     for i in range(0, longest, CHUNK):
         forward_rows(earlier[:, i:i + CHUNK], cache, [i] * len(prompts))
         mx.eval(cache)
@@ -745,16 +751,19 @@ def seat(waiting, slots, batch_size, cache):
         length = len(slots[b].ids) if MODEL == "qwen3_5" else 0
         prefills.setdefault(length, []).append(b)
     for numbers in prefills.values():
-        take_slots(cache, numbers, prefill_rows([slots[b].ids for b in numbers]))
+        take_slots(cache, numbers, prefill_rows([slots[b].ids for b in numbers], cache))
 
-def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=None):
+def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=None,
+                   cache=None):
     """Yield (i, id) for the tokens of prompts[i] (lists of ids): greedy, each as generate() gives
     it alone; sampled, from the same distributions (the draws are the batch's, not a lone run's).
     Up to batch_size sequences decode together; one that ends (EOS, max_tokens, the context's end)
     frees its slot, and the next waiting prompt fills its cache apart and takes it: continuous
-    batching. ended: a list, given (i, the positions its cache held) as each sequence ends."""
+    batching. ended: a list, given (i, the positions its cache held) as each sequence ends;
+    cache: empty, an entry a layer for all slots (a KVCache: in bits once its longest row holds
+    quantized_start positions)."""
     waiting, slots = [Row(i, ids, max_tokens) for i, ids in enumerate(prompts)], []
-    cache = [None] * N_LAYERS  # one per layer for all slots; slots[b]: the Row in slot b
+    cache = [None] * N_LAYERS if cache is None else cache  # slots[b]: the Row in slot b
     while waiting or slots:
         seat(waiting, slots, batch_size, cache)
         # A joining row's last id rides in the next batch pass at its own position: that row's
@@ -766,7 +775,7 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
         if not live:  # every prompt done
             return
         room = -(-(max(slots[b].pos for b in live) + 1) // GROW) * GROW  # the next pass's buffer
-        buffered = max([entry[0].shape[2] for i, entry in enumerate(cache)
+        buffered = max([kv_arrays(entry)[0].shape[2] for i, entry in enumerate(cache)
                         if entry is not None and not deltanet(i)], default=0)
         if len(live) < len(slots) or buffered > room:
             cache[:] = [trimmed(entry, i, mx.array(live), room) for i, entry in enumerate(cache)]
@@ -1083,9 +1092,7 @@ def cache_write_bits(cache, layer_idx, k, v, start):
     k, v (L, KV, hd) quantised and written at start.. -> the keys and values so far, (packed,
     scales, biases) each, (KV, S, ...)."""
     entry, end = cache[layer_idx], start + k.shape[0]
-    if not isinstance(entry, Quantized):  # the 16-bit keys and values so far, into bits
-        group, bits = cache.group_size, cache.bits
-        entry = Quantized(*(mx.quantize(a, group_size=group, bits=bits) for a in entry))
+    entry = to_bits(entry, cache)  # (the keys and values so far, in the model's dtype: in bits)
     if entry.keys[0].shape[1] < end:  # full: up to end, rounded up to GROW
         entry = Quantized(*(tuple(padded(a, 1, -(-end // GROW) * GROW) for a in kind)
                             for kind in entry))                       # (KV, S rounded up, ...)
@@ -1102,6 +1109,15 @@ def kv_format(packed, hd):  # a cache's (packed, scales, biases) -> its bits and
 
 def kv_arrays(entry):  # a layer's keys and values -> their arrays (in bits: three each)
     return [*entry.keys, *entry.values] if isinstance(entry, Quantized) else list(entry)
+
+def kv_entry(arrays):  # kv_arrays()'s arrays -> the layer's keys and values again
+    return Quantized(tuple(arrays[:3]), tuple(arrays[3:])) if len(arrays) == 6 else tuple(arrays)
+
+def to_bits(entry, cache):  # a layer's keys and values in bits, as cache (a KVCache) keeps them
+    if isinstance(entry, Quantized):
+        return entry
+    return Quantized(*(mx.quantize(a, group_size=cache.group_size, bits=cache.bits)
+                       for a in entry))
 
 def cut_at(entry, end):  # a layer's keys and values, positions 0..end-1 (None: all)
     if isinstance(entry, Quantized):
@@ -1121,6 +1137,37 @@ def attend_bits(q, keys, values, visible):
     out = mx.quantized_matmul(probs, *(a[:, None] for a in values), transpose=False,
                               group_size=group, bits=bits)            # (8, 2, L, 128) probs v
     return out.reshape(H, L, hd).transpose(1, 0, 2).reshape(L, -1)    # (L, 2048)
+
+def attend_rows_bits(cache, layer_idx, q, k, v, positions, visible):
+    """attend_rows() into a cache in bits: a batch's keys and values quantised as they are written
+    at each row's positions (its entry converted first if it is not yet) -> (B * L, H * hd)."""
+    B, L, S = visible.shape
+    q, k, v = (t.reshape(B, L, *t.shape[1:]) for t in (q, k, v))     # (B, L, heads, hd)
+    room = -(-S // GROW) * GROW                                       # S up to a multiple of GROW
+    entry = cache[layer_idx] or (mx.zeros((B, k.shape[2], room, k.shape[3]), k.dtype),) * 2
+    arrays = [padded(a, 2, room) for a in kv_arrays(to_bits(entry, cache))]  # (B, 8, room, ..)
+    new = [part for t in (k, v) for part in mx.quantize(t.swapaxes(1, 2), group_size=cache
+                                                        .group_size, bits=cache.bits)]
+    write_at = positions.reshape(B, 1, L, 1)                          # row b's L positions
+    cache[layer_idx] = kv_entry([mx.put_along_axis(a, write_at, part, axis=2)
+                                 for a, part in zip(arrays, new)])    # (B, 8, room, ..) each
+    keys, values = (tuple(a[:, :, :S] for a in kind) for kind in cache[layer_idx])
+    out = attend_batch_bits(q, keys, values, visible)                 # (B, L, H * hd)
+    return out.reshape(B * L, -1)                                     # (B * L, 2048)
+
+def attend_batch_bits(q, keys, values, visible):
+    """attend_bits() on B rows, as attend_batch() is attend() on them: q (B, L, H, hd), keys and
+    values (packed, scales, biases) (B, KV, S, ..) -> (B, L, H * hd)."""
+    B, L, H, hd = q.shape
+    bits, group = kv_format(keys, hd)
+    by_kv = q.transpose(0, 2, 1, 3).reshape(B, keys[0].shape[1], -1, L, hd)  # (B, 8, 2, L, 128)
+    scores = mx.quantized_matmul(by_kv, *(a[:, :, None] for a in keys), transpose=True,
+                                 group_size=group, bits=bits)         # (B, 8, 2, L, S)
+    scores = masked_scores(scores, visible[:, None, None], math.sqrt(hd))  # (B, 8, 2, L, S)
+    probs = mx.softmax(scores, axis=-1).astype(q.dtype)               # (B, 8, 2, L, S)
+    out = mx.quantized_matmul(probs, *(a[:, :, None] for a in values), transpose=False,
+                              group_size=group, bits=bits)            # (B, 8, 2, L, 128)
+    return out.reshape(B, H, L, hd).transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, 2048)
 
 # ═══ Part III — See inside: the views that teach, for --explain and for a notebook ═══
 # Each takes plain values (ids, a cache, numbers), never the command line's flags.
@@ -1574,9 +1621,6 @@ def read_prompts(args):
         raise UserError("--explain and --show-probs show one prompt: give one (see --help)")
     if len(texts) > 1 and args.draft:
         raise UserError("--draft decodes one prompt at a time: give one (see --help)")
-    if len(texts) > 1 and args.kv_bits:
-        raise UserError("--kv-bits keeps one prompt's cache in bits, not a batch's: give one "
-                        "(see --help)")
     return texts or [None]
 
 def summary(folder, cfg):
@@ -1819,8 +1863,9 @@ def reply_batch(texts, prompts, args):
     if max(len(ids) for ids in prompts) + args.max_tokens > MAX_POS:
         note(f"generation stops at the context limit, {MAX_POS} tokens")
     mx.reset_peak_memory()  # the batch's own peak
-    tic, done, ended = time.perf_counter(), [[] for _ in prompts], []
-    tokens = generate_batch(prompts, args.max_tokens, sampler_of(args), args.batch_size, ended)
+    tic, done, ended, cache = time.perf_counter(), [[] for _ in prompts], [], new_cache(args)
+    tokens = generate_batch(prompts, args.max_tokens, sampler_of(args), args.batch_size, ended,
+                            cache)
     # At a terminal, a progress line meanwhile, taken away on every way out (leave=False).
     with tqdm(total=len(prompts), file=sys.stderr, disable=not sys.stderr.isatty(), leave=False,
               bar_format="[{n} of {total} prompts done, {postfix}]", postfix="0 tokens") as bar:
@@ -1839,14 +1884,17 @@ def reply_batch(texts, prompts, args):
     n, kv_positions = sum(len(ids) for ids in done), sum(positions for _, positions in ended)
     full = N_LAYERS - sum(deltanet(i) for i in range(N_LAYERS))  # its layers with keys and values
     kv_heads = N_KV // (GROUP.size() if GROUP else 1)  # (several processes: rank 0's)
-    kv = kv_positions * full * 2 * kv_heads * D_HEAD * W["model.norm.weight"].dtype.size
+    size, bits = W["model.norm.weight"].dtype.size, ""  # a number's bytes in the cache
+    if any(isinstance(entry, Quantized) for entry in cache):  # packed, a scale and a bias a group
+        size, bits = args.kv_bits / 8 + 2 * size / args.kv_group_size, f" in {args.kv_bits} bits"
+    kv = kv_positions * full * 2 * kv_heads * D_HEAD * size
     rows = min(args.batch_size, len(prompts))  # a token of each row shares one read of the weights
     print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
           f"--batch-size {args.batch_size}")
     print(f"Generation: {n} tokens, {n / seconds:.3f} tokens-per-sec (all rows, prefills included)")
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-    print(f"KV cache: {kv_positions} positions in {len(ended)} sequences, {kv / 1e6:.3f} MB (each "
-          "as it ended; at most --batch-size of them held at once)")
+    print(f"KV cache: {kv_positions} positions in {len(ended)} sequences{bits}, {kv / 1e6:.3f} MB "
+          "(each as it ended; at most --batch-size of them held at once)")
     weight_bytes = token_bytes([], 0, rows=rows)[0]  # (a mixture's: at most: rows share experts)
     print(f"Bytes per token, a row of {rows}: {'at most ' if MOE else ''}"
           f"{weight_bytes / 1e6:.3f} MB of weights + {kv / len(ended) / 1e6:.3f} MB of keys and "

@@ -95,12 +95,30 @@ def test_the_command_line_says_the_bits_and_the_true_size(checkpoint):
 
 
 def test_what_the_cache_in_bits_refuses(checkpoint):
-    """A group that does not divide the heads' width, a batch: one line each, exit 1."""
+    """A group that does not divide the heads' width, bits MLX does not pack: one line, exit 1."""
     folder = str(checkpoint())
     assert_error(run_cli("--model", folder, "--kv-bits", "4"), "--kv-group-size 64 does not divide")
-    assert_error(run_cli("--model", folder, "--kv-bits", "4", "-p", "a", "-p", "b"),
-                 "--kv-bits keeps one prompt's cache in bits, not a batch's")
     assert_error(run_cli("--kv-bits", "7"), "--kv-bits")
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_5"])
+def test_a_batch_in_bits_is_each_row_alone_in_bits(checkpoint, qwen35, tokenizer, model):
+    """A continuous batch (2 slots, 3 prompts of other lengths: a row joins mid-batch) over a
+    cache in bits from its first pass: each row's greedy ids are its own run's over a cache in
+    bits (mlx-lm keeps no batch's cache in bits); the command line's KV line says the bits."""
+    folder = {"qwen3": checkpoint, "qwen3_5": qwen35}[model]()
+    li.load_checked(folder)
+    prompts = [tokenizer.encode(t).ids for t in (TEXT, "Once upon a time", "1, 2, 3, 1, 2,")]
+    alone = [list(li.generate(ids, 10, cache=li.KVCache([None] * li.N_LAYERS, 4, 32, 0)))
+             for ids in prompts]
+    together = [[] for _ in prompts]
+    for i, token in li.generate_batch(prompts, 10, batch_size=2,
+                                      cache=li.KVCache([None] * li.N_LAYERS, 4, 32, 0)):
+        together[i].append(token)
+    assert together == alone
+    r = run_cli("--model", str(folder), "-m", "6", "-p", "a b", "-p", "c d e", "--kv-bits", "4",
+                "--kv-group-size", "32", "--quantized-kv-start", "0")
+    assert r.returncode == 0 and " sequences in 4 bits, " in r.stdout, r.stderr
 
 
 def test_explain_and_a_chat_run_over_a_cache_in_bits(checkpoint):
