@@ -181,26 +181,38 @@ def screen(raw):
     return [line.rstrip() for line in lines if line.strip()]
 
 
+RUN_BOUND = 300  # seconds a run at a terminal may take before it is killed and the test fails
+
+
 def at_a_terminal(fresh_clone, hub, columns=100):
     """The first run with a (pseudo-)terminal of that many columns as its stdin, stdout and
-    stderr -> its exit status, and all it wrote there."""
+    stderr -> its exit status, and all it wrote there: read until it closes the terminal, however
+    long it is silent (what the test sees never ends at a pause); a run still going after
+    RUN_BOUND s is killed, and the test fails saying so, with what it wrote."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24 if columns else 0, columns, 0, 0))
     p = subprocess.Popen([sys.executable, str(fresh_clone / "llm_inference.py"), "-m", "3"],
                          stdin=follower, stdout=follower, stderr=follower,
                          env=environment(hub, fresh_clone / "hf"))
     os.close(follower)
-    raw = b""
-    while select.select([leader], [], [], 60)[0]:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # Linux: EIO once the child has closed the terminal
-            break
-        if not chunk:
-            break
-        raw += chunk
-    p.wait(timeout=60)
-    os.close(leader)
+    raw, deadline = b"", time.monotonic() + RUN_BOUND
+    try:
+        while select.select([leader], [], [], max(deadline - time.monotonic(), 0))[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # Linux: EIO once the child has closed the terminal
+                break
+            if not chunk:
+                break
+            raw += chunk
+        p.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        pytest.fail(f"still running after {RUN_BOUND} s; at the terminal so far:\n"
+                    + raw.decode(errors="replace"))
+    finally:
+        os.close(leader)
     return p.returncode, raw.decode()
 
 
