@@ -938,7 +938,7 @@ def yarn(freqs):
 # 128. When the weights exceed the memory they may hold (--memory; else what this machine can),
 # everything but the experts loads as before, and each mixture block keeps a pool of S slots. A
 # token's picks that no slot holds are read from the safetensors files by their byte ranges (in a
-# stacked tensor, expert e is one contiguous range; os.pread reads it) into a free slot, or the
+# stacked tensor, expert e is one contiguous range; os.preadv reads it) into a free slot, or the
 # one used least recently; then the gather products run over the slots, each pick renumbered to
 # its slot: the same products, so the same numbers. A token costs about its compute plus the
 # bytes it missed over the disk's read speed. The MTP head's experts stay in memory.
@@ -1260,8 +1260,11 @@ def logit_lens(token_ids, written, cache, start=0, chunk=CHUNK, progress=False, 
     kept = [[(mx.zeros(0, mx.uint32), mx.zeros(0), mx.zeros(0))] for _ in range(N_LAYERS)]
     progress, line = progress and sys.stderr.isatty(), ""  # line: the progress line shown
     try:
-        for i in range(0, len(token_ids), chunk):
-            ids, blocks = token_ids[i:i + chunk], []
+        # Passes of chunk ids, the answer's first column beginning one, as the run's decoding
+        # began a pass there (a cache in bits, KVCache, then converts where the run's did).
+        bounds = sorted({*range(0, len(token_ids), chunk), first_col} - {len(token_ids)})
+        for i, j in zip(bounds, bounds[1:] + [len(token_ids)]):
+            ids, blocks = token_ids[i:j], []
             forward(ids, own, start + i, blocks, routes=routes)       # its logits never computed
             col0 = max(first_col - i, 0)                              # the chunk's first column
             if col0 < len(ids):  # columns in this chunk
@@ -1681,8 +1684,6 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
         tic += time.perf_counter() - paused
     if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
         raise not_finite("after the prompt", logits.dtype)
-    for pool in POOLS.values():  # experts from disk: what the answer's tokens found and read
-        pool.counts = dict.fromkeys(pool.counts, 0)
     print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
     generated, t_first, sampler = [] if generated is None else generated, None, sampler_of(args)
     if args.draft:
@@ -1693,7 +1694,10 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
     else:
         tokens = generate(prompt_ids, args.max_tokens, sampler, cache, start, logits)
     for token, piece in stream_text(tokens):
-        t_first = t_first or time.perf_counter()  # the first token ends the prefill
+        if t_first is None:  # the first token ends the prefill; the generation's clock starts
+            t_first = time.perf_counter()
+            for pool in POOLS.values():  # (experts from disk: what the generation reads)
+                pool.counts = dict.fromkeys(pool.counts, 0)
         generated.append(token)
         print(piece, end="", flush=True)
     if args.quiet:
@@ -1808,19 +1812,18 @@ def print_stats(n_prompt, n, tic, t_first, cache, prompt_end, passes=None, mtp=F
     return per_token * rate
 
 def print_pools(n, seconds):
-    """Experts from disk, over the n tokens of an answer that took seconds (its prompt's pass
-    left out): the share of the picks (a block's experts a pass) the pools held, the bytes read
-    and how fast, and this process's most resident memory (the operating system's count: MLX's
-    buffers, Python, the reads')."""
+    """Experts from disk, over the n tokens of an answer, from its first token on (seconds): the
+    share of the picks (a block's experts a pass) the pools held, the bytes read and how fast,
+    and this process's most resident memory since it started (the operating system's count:
+    MLX's buffers, Python, the reads')."""
     total = {key: sum(pool.counts[key] for pool in POOLS.values()) for key in ("found", "wanted",
                                                                               "bytes", "seconds")}
     found, each = total["found"] / max(total["wanted"], 1), 1e3 / max(n, 1)  # (ms a token)
     speed = total["bytes"] / total["seconds"] if total["seconds"] else 0.0  # the disk's, here
     print(f"Experts from disk: {found:.1%} of the picks found in memory; a token took "
-          f"{seconds * each:.1f} ms: {(seconds - total['seconds']) * each:.1f} computing, "
-          f"{total['seconds'] * each:.1f} reading {total['bytes'] * each / 1e9:.2f} MB at "
-          f"{speed / 1e9:.2f} GB/s (compute + bytes missed / the disk's speed); the process: "
-          f"{resident_peak() / 1e9:.3f} GB resident at most")
+          f"{seconds * each:.1f} ms, {total['seconds'] * each:.1f} of them reading "
+          f"{total['bytes'] * each / 1e9:.2f} MB at {speed / 1e9:.2f} GB/s, the rest computing; "
+          f"the process: {resident_peak() / 1e9:.3f} GB resident at most (since it started)")
 
 def resident_peak():  # this process's most resident memory so far, bytes
     import resource  # (Unix's; MLX runs on no other)
@@ -1839,8 +1842,8 @@ def token_bytes(cache, held, mtp=False, rows=1):
     used = {id(w): w for name, w in W.items() if not name.startswith(skipped)}  # tied: once
     drafting = {id(w): w for name, w in W.items() if name.startswith(mtp_names)} if mtp else {}
     head_tensors = [w for name, w in W.items() if name.startswith("lm_head.")] if mtp else []
-    share = {id(w): min(1, rows * MOE["num_experts_per_tok"] / len(w))  # (E, ...), or a pool's
-             for name, w in W.items() if ".mlp.experts." in name}    # (S, ...): k of them a row
+    share = {id(w): min(MOE["num_experts"], rows * MOE["num_experts_per_tok"]) / len(w)  # k a
+             for name, w in W.items() if ".mlp.experts." in name}  # row, of (E or a pool's S, ..)
     read_once = [*used.values(), *drafting.values(), *head_tensors]
     weight_bytes = sum(w.nbytes * share.get(id(w), 1) for w in read_once) / rows
     return weight_bytes, cache_bytes(cache, held) + cache_bytes(cache, kind="linear_attention")
@@ -1863,6 +1866,8 @@ def reply_batch(texts, prompts, args):
     if max(len(ids) for ids in prompts) + args.max_tokens > MAX_POS:
         note(f"generation stops at the context limit, {MAX_POS} tokens")
     mx.reset_peak_memory()  # the batch's own peak
+    for pool in POOLS.values():  # (experts from disk: what the batch reads)
+        pool.counts = dict.fromkeys(pool.counts, 0)
     tic, done, ended, cache = time.perf_counter(), [[] for _ in prompts], [], new_cache(args)
     tokens = generate_batch(prompts, args.max_tokens, sampler_of(args), args.batch_size, ended,
                             cache)
@@ -1893,6 +1898,8 @@ def reply_batch(texts, prompts, args):
           f"--batch-size {args.batch_size}")
     print(f"Generation: {n} tokens, {n / seconds:.3f} tokens-per-sec (all rows, prefills included)")
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    if POOLS:  # experts from disk: over the whole batch, its prefills too
+        print_pools(n, seconds)
     print(f"KV cache: {kv_positions} positions in {len(ended)} sequences{bits}, {kv / 1e6:.3f} MB "
           "(each as it ended; at most --batch-size of them held at once)")
     weight_bytes = token_bytes([], 0, rows=rows)[0]  # (a mixture's: at most: rows share experts)

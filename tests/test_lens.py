@@ -151,7 +151,7 @@ def test_logits_that_are_not_finite_are_said(checkpoint, monkeypatch):
 
     def overflowing(x):
         calls.append(x)
-        return lm_head(x) * (mx.inf if len(calls) == 3 else 1)  # forward(), block 1, 2
+        return lm_head(x) * (mx.inf if len(calls) == 4 else 1)  # 2 forward()s, block 1, 2
     monkeypatch.setattr(li, "lm_head", overflowing)
     with pytest.raises(FloatingPointError, match="the logits of block 2's logit lens are not finite"):
         li.logit_lens([5, 6, 7], [8, 9], [None] * li.N_LAYERS)
@@ -460,8 +460,8 @@ def test_progress_blanked_on_every_way_out(checkpoint, monkeypatch):
     lm_head, calls = li.lm_head, []
 
     def overflowing(x):  # block 2's lens overflows, after block 1's progress line
-        calls.append(x)  # (the first call: forward()'s own, never evaluated)
-        return lm_head(x) * (mx.inf if len(calls) == 3 else 1)
+        calls.append(x)  # (the first two: forward()'s own in the prompt's pass and the answer's)
+        return lm_head(x) * (mx.inf if len(calls) == 4 else 1)
     monkeypatch.setattr(li, "lm_head", overflowing)
     with pytest.raises(FloatingPointError, match="block 2's logit lens"):
         li.logit_lens([5, 6, 7], [8, 9], [None] * li.N_LAYERS, progress=True)
