@@ -246,8 +246,8 @@ def test_xet_at_a_terminal_a_bar_never_shows_whole_a_file_that_did_not_come(xet_
     """Xet storage at a terminal: each file's line, then one bar for it: the weights' counts the
     bytes written (huggingface_hub's second bar, of the bytes received, which it draws whole when
     the download ends, arrived or not, is not drawn); nothing after the statistics. When the
-    connection breaks at 15 MB every time, the weights' bar stays where the file stopped, and
-    the last line says why."""
+    connection breaks at 15 MB every time, the weights' bar stays where the file stopped (short
+    of 100%: how far depends on the machine's load), and the last line says why."""
     hub = xet_hub
     hub.add_repo("Qwen/Qwen3-0.6B", checkpoint(vocab_size=60000), FILES)
     hub.slow["model.safetensors"] = 3.0
@@ -263,7 +263,9 @@ def test_xet_at_a_terminal_a_bar_never_shows_whole_a_file_that_did_not_come(xet_
     code, text = at_a_terminal(fresh_clone, hub)
     lines = screen(text)
     assert code == 1 and "downloading bytes" not in text, text
-    assert re.match(r"model\.safetensors: reconstructing file: +[1-9]\d%\|", lines[-2]), lines
+    # Where the bar stops depends on how much of the file was written when the break came (at 15
+    # MB received of 31.4; under load as little as 7% was written): any share but a whole bar.
+    assert re.match(r"model\.safetensors: reconstructing file: +\d{1,2}%\|", lines[-2]), lines
     assert lines[-1].startswith("error: could not download model.safetensors of Qwen/Qwen3-0.6B: "
                                 "the connection to Xet storage broke or stalled")
 
