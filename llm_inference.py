@@ -2383,7 +2383,8 @@ def make_pools(weights, cfg, size, files):
     weights, and a Pool a block, told where each expert lies in files -> {block's prefix: Pool}."""
     places, stamps = {}, {}
     for file in files:
-        stamps[str(file)] = (os.stat(file).st_size, os.stat(file).st_mtime_ns)
+        stat = os.stat(file)  # (read_span() compares the file's size and time with these)
+        stamps[str(file)] = (stat.st_size, stat.st_mtime_ns)
         for name, (dtype, shape, offset, nbytes) in safetensors_header(file).items():
             places[name.replace("language_model.", "", 1)] = (str(file), dtype, shape, offset,
                                                               nbytes)
