@@ -8,6 +8,7 @@ Part III  See inside: the views that teach (--explain), each callable from a not
 Part IV   the program, read top-down from main(): the command line, an answer, a batch, chat,
           loading and its checks, the download, several processes."""
 import json, math, time  # noqa: E401
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -946,6 +947,13 @@ POOLS = {}  # a streamed block's "model.layers.N.mlp." -> its Pool; {}: every ex
 
 STORED = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32}
 
+READS_AT_ONCE = 8  # a block's missing experts read 8 at a time: a disk (an SSD most) answers
+# several requests at once faster than one after another; os.preadv lets go of Python's lock
+READERS = ThreadPoolExecutor(READS_AT_ONCE)  # (its threads start at the first read)
+
+POOLS_COUNTED = ("found", "wanted", "bytes", "seconds", "disk")  # picks held, picks; bytes read,
+# the seconds reading and writing them in, the seconds a read was under way
+
 class Pool:
     """One mixture block's expert slots: W[name] (S, ...) for each name in spans, {name: (the
     dtype stored, one expert's shape, [each expert's [(file, offset, bytes), ...]])}; files:
@@ -953,7 +961,7 @@ class Pool:
     def __init__(self, spans, files, size):
         self.spans, self.files, self.size = spans, files, size
         self.slot_of = {}  # expert -> slot, the least recently used first
-        self.counts = dict(found=0, wanted=0, bytes=0, seconds=0.0)  # picks held, picks; reads
+        self.counts = dict.fromkeys(POOLS_COUNTED, 0)
 
     def bring(self, needed):
         """needed: expert ids, at most S -> (E,) each expert's slot (0 if not held), all of
@@ -965,31 +973,63 @@ class Pool:
         self.counts["found"] += len(needed) - len(missing)
         self.counts["wanted"] += len(needed)
         free = sorted(set(range(self.size)) - set(self.slot_of.values()))
-        for e in missing:
-            slot = free.pop(0) if free else self.slot_of.pop(next(iter(self.slot_of)))
-            self.read(e, slot)
-            self.slot_of[e] = slot
+        slots = [free.pop(0) if free else self.slot_of.pop(next(iter(self.slot_of)))
+                 for e in missing]
+        self.read(missing, slots)
+        self.slot_of.update(zip(missing, slots))
         table = [0] * len(next(iter(self.spans.values()))[2])
         for e, slot in self.slot_of.items():
             table[e] = slot
         return mx.array(table)                                        # (E,)
 
-    def read(self, e, slot):
-        """Expert e's bytes from the files into slot of each W[name], one tensor at a time, each
-        written in place at once (MLX gives the slot's write the pool's buffer): besides the
-        pool, the reads hold one tensor of one expert, twice (the bytes, and MLX's copy)."""
-        tic = time.perf_counter()
-        for name, (stored, shape, spans) in self.spans.items():
-            data, at = bytearray(sum(size for _, _, size in spans[e])), 0
-            for file, offset, size in spans[e]:  # (gate_up: gate's rows, then up's)
-                read_span(memoryview(data)[at:at + size], file, offset, self.files[file])
-                at += size
-            w = mx.array(memoryview(data)).view(STORED[stored]).reshape(shape)  # an expert's
-            W[name][slot] = w.astype(W[name].dtype)
-            mx.eval(W[name])
-            self.counts["bytes"] += len(data)
-            data = w = None  # (let go before the next tensor's bytes come)
+    def read(self, missing, slots):
+        """The missing experts' bytes from the files into their slots of each W[name]: READERS
+        read up to READS_AT_ONCE experts ahead while this thread writes those read in (MLX gives
+        a slot's write the pool's buffer). Besides the pool, at most that many experts' bytes."""
+        tic, spans = time.perf_counter(), []  # spans: each read's (start, end), for disk time
+        reads = [self.ask(e, spans) for e in missing[:READS_AT_ONCE]]
+        try:
+            for n, slot in enumerate(slots):
+                for name, data in reads[n].result().items():
+                    stored, shape, _ = self.spans[name]
+                    w = mx.array(memoryview(data)).view(STORED[stored]).reshape(shape)
+                    W[name][slot] = w.astype(W[name].dtype)           # an expert's, in its slot
+                    mx.eval(W[name])
+                    self.counts["bytes"] += len(data)
+                reads[n] = w = data = None  # (let go before the next expert's bytes come)
+                if n + READS_AT_ONCE < len(missing):
+                    reads.append(self.ask(missing[n + READS_AT_ONCE], spans))
+        finally:  # (a read failed, or Ctrl-C: the rest not started, the slots left free)
+            for pending in reads:
+                if pending is not None:
+                    pending.cancel()
         self.counts["seconds"] += time.perf_counter() - tic
+        self.counts["disk"] += under_way(spans)
+
+    def ask(self, e, spans):
+        """Expert e's reads, handed to READERS -> a Future of its bytes, {name: bytearray}, each
+        name's spans joined (gate_up: gate's rows, then up's); spans gets each read's (start,
+        end). The buffers are made here, in this thread: a reader's own would stay in its own
+        of the C library's memory pools (an arena a thread), and add to what the process holds."""
+        got = {name: bytearray(sum(size for _, _, size in places[e]))
+               for name, (_, _, places) in self.spans.items()}
+        return READERS.submit(self.fetch, e, got, spans)
+
+    def fetch(self, e, got, spans):  # (in a reader thread) ask()'s reads -> got, filled
+        for name, (_, _, places) in self.spans.items():
+            at = 0
+            for file, offset, size in places[e]:
+                start = time.perf_counter()
+                read_span(memoryview(got[name])[at:at + size], file, offset, self.files[file])
+                spans.append((start, time.perf_counter()))
+                at += size
+        return got
+
+def under_way(spans):  # [(start, end)] -> the seconds at least one of them was under way
+    total, reach = 0.0, 0.0
+    for start, end in sorted(spans):
+        total, reach = total + max(0.0, end - max(start, reach)), max(reach, end)
+    return total
 
 def read_span(into, file, offset, loaded):
     """into (a writable view): as many bytes of file from offset; the file as it was loaded
@@ -1813,17 +1853,21 @@ def print_stats(n_prompt, n, tic, t_first, cache, prompt_end, passes=None, mtp=F
 
 def print_pools(n, seconds):
     """Experts from disk, over the n tokens of an answer, from its first token on (seconds): the
-    share of the picks (a block's experts a pass) the pools held, the bytes read and how fast,
-    and this process's most resident memory since it started (the operating system's count:
-    MLX's buffers, Python, the reads')."""
-    total = {key: sum(pool.counts[key] for pool in POOLS.values()) for key in ("found", "wanted",
-                                                                              "bytes", "seconds")}
+    share of the picks (a block's experts a pass) the pools held, the bytes read a token and the
+    disk's speed (bytes over the time a read was under way), the time a token those predict
+    (computing, the time outside the pools' reads, plus bytes over speed) beside the time it
+    took, and this process's most resident memory since it started (the operating system's
+    count: MLX's buffers, Python, the reads')."""
+    total = {key: sum(pool.counts[key] for pool in POOLS.values()) for key in POOLS_COUNTED}
     found, each = total["found"] / max(total["wanted"], 1), 1e3 / max(n, 1)  # (ms a token)
-    speed = total["bytes"] / total["seconds"] if total["seconds"] else 0.0  # the disk's, here
-    print(f"Experts from disk: {found:.1%} of the picks found in memory; a token took "
-          f"{seconds * each:.1f} ms, {total['seconds'] * each:.1f} of them reading "
-          f"{total['bytes'] * each / 1e9:.2f} MB at {speed / 1e9:.2f} GB/s, the rest computing; "
-          f"the process: {resident_peak() / 1e9:.3f} GB resident at most (since it started)")
+    speed = total["bytes"] / total["disk"] if total["disk"] else 0.0  # the disk's, here
+    computing = (seconds - total["seconds"]) * each
+    print(f"Experts from disk: {found:.1%} of the picks found in memory; "
+          f"{total['bytes'] * each / 1e9:.2f} MB read a token at {speed / 1e9:.2f} GB/s; a token "
+          f"took {seconds * each:.1f} ms, where {computing:.1f} computing + the MB ÷ the GB/s "
+          f"predict {computing + total['disk'] * each:.1f} (the rest: the reads' copies into the "
+          f"slots); the process: {resident_peak() / 1e9:.3f} GB resident at most (since it "
+          f"started)")
 
 def resident_peak():  # this process's most resident memory so far, bytes
     import resource  # (Unix's; MLX runs on no other)

@@ -19,6 +19,8 @@
                                                      # (from position 0), and its memory
     python tests/benchmark.py --moe --stream --dtype float32 --quantize 4   # experts from disk:
                                                      # pools of 50%, 25%, 12.5% against resident
+    python tests/benchmark.py --model Qwen3-0.6B --kv-quality   # the KV cache in bits: where the
+                                                     # greedy answer parts from the plain cache's
     python tests/benchmark.py --ranks                # tensor parallel rows, one process; and two:
     mlx.launch -n 2 --python "$(which python)" -- tests/benchmark.py --ranks
 
@@ -319,9 +321,10 @@ def drop_page_cache():
 
 def stream_rows(folder, runs, shares=(1.0, 0.5, 0.25, 0.125), n_prompt=16, n_new=32):
     """Experts from disk: decode tokens/s with every expert in memory, then with pools of a share
-    of each block's experts (--memory set to the rest of the model plus that share), interleaved,
-    the page cache warm and (where allowed) dropped before each run; each pool's hit rate and the
-    MB it read a token generated. The median of runs each."""
+    of each block's experts (--memory set to the rest of the model plus that share), their
+    missing experts read READS_AT_ONCE at a time and one at a time, interleaved, the page cache
+    warm and (where allowed) dropped before each run; each pool's hit rate and the MB it read a
+    token generated. The median of runs each."""
     li.load_checked(folder)
     streamed = [n for n in li.W if n.startswith("model.layers.") and ".mlp.experts." in n]
     experts = sum(li.W[n].nbytes for n in streamed)
@@ -329,32 +332,59 @@ def stream_rows(folder, runs, shares=(1.0, 0.5, 0.25, 0.125), n_prompt=16, n_new
     e, k = li.MOE["num_experts"], li.MOE["num_experts_per_tok"]
     prompt = [(7 * i + 3) % (li.TOK.get_vocab_size() - 10) for i in range(n_prompt)]
     memory = {share: None if share == 1 else total - experts * (1 - share) + 64 for share in shares}
+    at_once = li.READS_AT_ONCE
+    ways = [(share, n) for share in shares for n in ((at_once,) if share == 1 else (at_once, 1))]
     cold = drop_page_cache()
     print(f"{mx.default_device()}, {li.N_LAYERS} layers of {e} experts ({k} a token), weights "
           f"{total / 1e9:.2f} GB, experts {experts / 1e9:.2f} GB; page cache dropped: "
           f"{'yes' if cold else 'not allowed here'}")
     rows = {}
-    for run in range(runs + 1):
-        for share in shares:
-            for drop in (False, True) if cold else (False,):
-                li.load_checked(folder, memory=memory[share])
-                if drop:
-                    drop_page_cache()
-                _, decode = timed(li.generate(prompt, n_new + 1), n_prompt)
-                counts = [pool.counts for pool in li.POOLS.values()]
-                found = sum(c["found"] for c in counts) / max(sum(c["wanted"] for c in counts), 1)
-                read = sum(c["bytes"] for c in counts) / (n_new + 1)
-                if run:  # run 0 warms up
-                    rows.setdefault((share, drop), []).append((decode, found, read))
-    print(f"{'pool':<22}{'tokens/s':>10}{'x resident':>12}{'held':>8}{'MB a token':>12}")
-    resident = statistics.median(r[0] for r in rows[(1.0, False)])
-    for (share, drop), figures in rows.items():
+    try:
+        for run in range(runs + 1):
+            for share, n in ways:
+                for drop in (False, True) if cold else (False,):
+                    li.load_checked(folder, memory=memory[share])
+                    li.READS_AT_ONCE = n
+                    if drop:
+                        drop_page_cache()
+                    _, decode = timed(li.generate(prompt, n_new + 1), n_prompt)
+                    counts = [pool.counts for pool in li.POOLS.values()]
+                    found = sum(c["found"] for c in counts) / max(sum(c["wanted"] for c in counts), 1)
+                    read = sum(c["bytes"] for c in counts) / (n_new + 1)
+                    if run:  # run 0 warms up
+                        rows.setdefault((share, n, drop), []).append((decode, found, read))
+    finally:
+        li.READS_AT_ONCE = at_once
+    print(f"{'pool':<22}{'at once':>8}{'tokens/s':>10}{'x resident':>12}{'held':>8}"
+          f"{'MB a token':>12}")
+    resident = statistics.median(r[0] for r in rows[(1.0, at_once, False)])
+    for (share, n, drop), figures in rows.items():
         decode = statistics.median(f[0] for f in figures)
         label = "resident" if share == 1 else f"{share:.1%} of experts"
         held = statistics.median(f[1] for f in figures) if share < 1 else 1.0
-        print(f"{label + (', cold' if drop else ''):<22}{decode:>10.2f}{decode / resident:>11.2f}x"
-              f"{held:>8.1%}"
+        print(f"{label + (', cold' if drop else ''):<22}{n if share < 1 else '':>8}{decode:>10.2f}"
+              f"{decode / resident:>11.2f}x{held:>8.1%}"
               f"{statistics.median(f[2] for f in figures) / 1e6:>12.1f}")
+
+
+def kv_quality_rows(n_prompt=4096, n_new=256):
+    """What the KV cache in bits costs in quality, on the weights loaded (a trained model's: on
+    random ones the logits tie everywhere and any change parts the answers at once): a long
+    prompt (this README, again and again), the greedy answer over a cache in 8 and 4 bits from
+    position 0, groups of 64 and 32, against the model's own dtype's; where each parts from it."""
+    ids = li.TOK.encode((Path(__file__).parent.parent / "README.md").read_text()).ids
+    prompt = (ids * (n_prompt // len(ids) + 1))[:n_prompt]
+    plain = list(li.generate(prompt, n_new))
+    print(f"{mx.default_device()}, {li.N_LAYERS} layers, a prompt of {n_prompt} tokens, "
+          f"{len(plain)} greedy tokens over the plain cache")
+    print(f"{'cache':<22}{'the first token that differs':>30}{'tokens the same':>18}")
+    for bits, group in ((8, 64), (8, 32), (4, 64), (4, 32)):
+        cache = li.KVCache([None] * li.N_LAYERS, bits, group, 0)
+        got = list(li.generate(prompt, n_new, cache=cache))
+        first = next((i for i, (a, b) in enumerate(zip(plain, got)) if a != b), None)
+        same = sum(a == b for a, b in zip(plain, got))
+        print(f"{f'{bits} bits, groups of {group}':<22}"
+              f"{'none' if first is None else first + 1:>30}{same:>12} of {len(plain)}")
 
 
 def bandwidth_rows(rounds=5, size=2**28):
@@ -397,6 +427,8 @@ def main():
     ap.add_argument("--bandwidth", action="store_true", help="--explain's figure beside numpy's copy")
     ap.add_argument("--stream", action="store_true", help="experts from disk (with --moe)")
     ap.add_argument("--kv-bits", type=int, choices=[4, 8], help="the KV cache in bits, from 0")
+    ap.add_argument("--kv-quality", action="store_true",
+                    help="with --model: where greedy answers over a cache in bits part")
     ap.add_argument("--ranks", action="store_true",
                     help="under mlx.launch -n N: ours against mlx-lm's sharded_load")
     args = ap.parse_args()
@@ -445,6 +477,9 @@ def main():
         folder = quantized
     if args.stream:
         return stream_rows(Path(folder), args.runs)
+    if args.kv_quality:
+        li.load_checked(folder)
+        return kv_quality_rows()
     li.load(folder)
     model, _ = load_model(Path(folder))
     mx.eval(list(li.W.values()), model.parameters())
