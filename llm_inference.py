@@ -760,7 +760,8 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
     it alone; sampled, from the same distributions (the draws are the batch's, not a lone run's).
     Up to batch_size sequences decode together; one that ends (EOS, max_tokens, the context's end)
     frees its slot, and the next waiting prompt fills its cache apart and takes it: continuous
-    batching. ended: a list, given (i, the positions its cache held) as each sequence ends;
+    batching. ended: a list, given (i, the positions its cache held, whether in bits) as each
+    sequence ends;
     cache: empty, an entry a layer for all slots (a KVCache: in bits once its longest row holds
     quantized_start positions)."""
     waiting, slots = [Row(i, ids, max_tokens) for i, ids in enumerate(prompts)], []
@@ -797,8 +798,8 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
                 yield row.i, token
             if token in EOS_IDS or row.pos + 1 >= row.end:  # it ends: its slot is free
                 slots[b] = None
-                if ended is not None:
-                    ended.append((row.i, row.pos))  # its positions before its last id
+                if ended is not None:  # its positions before its last id; in bits?
+                    ended.append((row.i, row.pos, any(isinstance(e, Quantized) for e in cache)))
             else:
                 row.token, row.finite = upcoming[b], finite[b]        # () each
                 row.pos += 1
@@ -1930,13 +1931,14 @@ def reply_batch(texts, prompts, args):
                                                               text) + completion)
     if args.quiet:
         return
-    n, kv_positions = sum(len(ids) for ids in done), sum(positions for _, positions in ended)
+    n, kv_positions = sum(len(ids) for ids in done), sum(end[1] for end in ended)
     full = N_LAYERS - sum(deltanet(i) for i in range(N_LAYERS))  # its layers with keys and values
     kv_heads = N_KV // (GROUP.size() if GROUP else 1)  # (several processes: rank 0's)
-    size, bits = W["model.norm.weight"].dtype.size, ""  # a number's bytes in the cache
-    if any(isinstance(entry, Quantized) for entry in cache):  # packed, a scale and a bias a group
-        size, bits = args.kv_bits / 8 + 2 * size / args.kv_group_size, f" in {args.kv_bits} bits"
-    kv = kv_positions * full * 2 * kv_heads * D_HEAD * size
+    size = W["model.norm.weight"].dtype.size  # a number's bytes in the cache
+    in_bits = [positions for _, positions, bits in ended if bits]  # (a batch turns to bits when
+    packed = args.kv_bits / 8 + 2 * size / args.kv_group_size if in_bits else 0  # its longest
+    bits = f", {len(in_bits)} of them in {args.kv_bits} bits" if in_bits else ""  # row passes)
+    kv = (kv_positions * size + sum(in_bits) * (packed - size)) * full * 2 * kv_heads * D_HEAD
     rows = min(args.batch_size, len(prompts))  # a token of each row shares one read of the weights
     print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
           f"--batch-size {args.batch_size}")

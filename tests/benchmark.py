@@ -367,6 +367,42 @@ def stream_rows(folder, runs, shares=(1.0, 0.5, 0.25, 0.125), n_prompt=16, n_new
               f"{statistics.median(f[2] for f in figures) / 1e6:>12.1f}")
 
 
+def read_rows(folder, runs, share=0.5):
+    """Experts from disk, the reads alone: one block's empty pool (share of its experts) brings
+    as many experts in one call, READS_AT_ONCE at a time and one at a time, the page cache
+    dropped first (where allowed) and warm: GB/s over the whole call (reads and the copies into
+    the slots), and the disk's (bytes over the time a read was under way). Medians of runs."""
+    li.load_checked(folder)
+    streamed = [n for n in li.W if n.startswith("model.layers.") and ".mlp.experts." in n]
+    total = sum(w.nbytes for w in {id(w): w for w in li.W.values()}.values())
+    memory = total - sum(li.W[n].nbytes for n in streamed) * (1 - share) + 64
+    at_once, rows = li.READS_AT_ONCE, {}
+    try:
+        for run in range(runs + 1):
+            for n in (at_once, 1):
+                for drop in (True, False):
+                    li.load_checked(folder, memory=memory)
+                    li.READS_AT_ONCE, pool = n, next(iter(li.POOLS.values()))
+                    if not drop or not drop_page_cache():
+                        for file in pool.files:  # warm: each file read whole once
+                            Path(file).read_bytes()
+                    tic = time.perf_counter()
+                    pool.bring(list(range(pool.size)))
+                    seconds, c = time.perf_counter() - tic, pool.counts
+                    if run:
+                        rows.setdefault((n, drop), []).append((c["bytes"] / seconds,
+                                                               c["bytes"] / c["disk"]))
+    finally:
+        li.READS_AT_ONCE = at_once
+    print(f"one block's {pool.size} experts into an empty pool, "
+          f"{pool.counts['bytes'] / 1e6:.0f} MB:")
+    print(f"{'reads':<22}{'GB/s, the call':>16}{'the disk':>10}")
+    for (n, drop), figures in rows.items():
+        print(f"{f'{n} at once' + (', cold' if drop else ', warm'):<22}"
+              f"{statistics.median(f[0] for f in figures) / 1e9:>16.2f}"
+              f"{statistics.median(f[1] for f in figures) / 1e9:>10.2f}")
+
+
 def kv_quality_rows(n_prompt=4096, n_new=256):
     """What the KV cache in bits costs in quality, on the weights loaded (a trained model's: on
     random ones the logits tie everywhere and any change parts the answers at once): a long
@@ -476,7 +512,8 @@ def main():
         convert(str(folder), str(quantized), quantize=True, q_group_size=64, q_bits=args.quantize)
         folder = quantized
     if args.stream:
-        return stream_rows(Path(folder), args.runs)
+        stream_rows(Path(folder), args.runs)
+        return read_rows(Path(folder), args.runs)
     if args.kv_quality:
         li.load_checked(folder)
         return kv_quality_rows()

@@ -200,7 +200,7 @@ def test_a_long_row_that_leaves_takes_its_positions_with_it(checkpoint):
         base, most, ended, out, after = mx.get_active_memory(), 0, [], [[] for _ in prompts], 0
         for i, token in li.generate_batch(prompts, max_tokens=12, batch_size=4, ended=ended):
             out[i].append(token)
-            after += any(j == 0 for j, _ in ended)
+            after += any(end[0] == 0 for end in ended)
             if after > 4:  # every row has been through a pass since
                 most = max(most, mx.get_active_memory() - base)
         return most, out

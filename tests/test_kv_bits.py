@@ -119,7 +119,26 @@ def test_a_batch_in_bits_is_each_row_alone_in_bits(checkpoint, qwen35, tokenizer
     assert together == alone
     r = run_cli("--model", str(folder), "-m", "6", "-p", "a b", "-p", "c d e", "--kv-bits", "4",
                 "--kv-group-size", "32", "--quantized-kv-start", "0")
-    assert r.returncode == 0 and " sequences in 4 bits, " in r.stdout, r.stderr
+    assert r.returncode == 0 and " 2 sequences, 2 of them in 4 bits, " in r.stdout, r.stderr
+
+
+def test_a_batch_that_turns_to_bits_counts_each_sequence_as_it_was_held(checkpoint):
+    """One slot: a short prompt ends before the cache reaches --quantized-kv-start, the long one
+    after it turns to bits: the KV line counts the first's positions in the model's dtype, the
+    second's in bits, so its size lies between all of them in bits and none."""
+    folder = str(checkpoint())
+    r = run_cli("--model", folder, "-m", "24", "-p", "a b", "-p", TEXT, "--batch-size", "1",
+                "--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "40")
+    assert r.returncode == 0, r.stderr
+    found = re.search(r"KV cache: (\d+) positions in 2 sequences, 1 of them in 4 bits, ([\d.]+) MB",
+                      r.stdout)
+    assert found, r.stdout
+    positions, mb = int(found[1]), float(found[2])
+    li.load_checked(folder)
+    number, size = 2 * li.N_LAYERS * li.N_KV * li.D_HEAD, li.W["model.norm.weight"].dtype.size
+    in_bits = positions * number * (0.5 + 2 * size / 32) / 1e6  # a position's numbers, packed
+    plain = positions * number * size / 1e6  # (the model's dtype: what the cache holds)
+    assert in_bits + 0.002 < mb < plain - 0.002, (mb, in_bits, plain)  # (beyond 3 decimals)
 
 
 def test_explain_and_a_chat_run_over_a_cache_in_bits(checkpoint):
