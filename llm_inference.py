@@ -550,9 +550,12 @@ class MTPDrafter:
     (x_t+1, h_t), so each h_t waits for the id after it. A worked example: the prompt fills
     positions 0..4 and the model chose x5; the first draft() reads (x1, h0) .. (x5, h4), chunk at
     a time, and guesses d6. If the model then keeps d6, it has made h5, h6; else h5 alone: the
-    next draft() reads them with the ids after position 4."""
-    def __init__(self, start=0, chunk=CHUNK):
+    next draft() reads them with the ids after position 4. like: the model's cache; the head's
+    own is in bits when that is (a KVCache, Part II), with its bits and start."""
+    def __init__(self, start=0, chunk=CHUNK, like=None):
         self.cache, self.start, self.chunk = [None] * (N_LAYERS + 1), start, chunk
+        if isinstance(like, KVCache):
+            self.cache = KVCache(self.cache, like.bits, like.group_size, like.quantized_start)
         self.read = 0  # the positions whose h_t the head has read, from start
 
     def draft(self, history, token, hidden):  # hidden: h_t of each unread t -> (1,), lazy
@@ -673,25 +676,31 @@ def trimmed(entry, layer_idx, live, room):  # a layer's cache: the live slots, p
 
 def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     """q, k, v (B * L, heads, hd): L tokens of each of B rows at positions (B * L,), written into
-    slot b -> (B * L, H * hd): Step 5's cache_write() and attend(), visible (B, L, S) each row's."""
+    slot b -> (B * L, H * hd): Step 5's cache_write() and attend(), visible (B, L, S) each row's.
+    A cache in bits (Part II) is written as the rest: its three arrays a kind, k and v quantised."""
     B, L, S = visible.shape
-    if hasattr(cache, "in_bits") and cache.in_bits(layer_idx, S - L):  # the longest row's start
-        return attend_rows_bits(cache, layer_idx, q, k, v, positions, visible)
     q, k, v = (t.reshape(B, L, *t.shape[1:]) for t in (q, k, v))     # (B, L, heads, hd)
-    keys, values = cache[layer_idx] or (mx.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype),) * 2
     room = -(-S // GROW) * GROW                                       # S up to a multiple of GROW
-    keys, values = padded(keys, 2, room), padded(values, 2, room)     # (B, 8, room, 128)
+    entry = cache[layer_idx] or (mx.zeros((B, k.shape[2], room, k.shape[3]), k.dtype),) * 2
+    new = [k.swapaxes(1, 2), v.swapaxes(1, 2)]                        # (B, 8, L, 128) each
+    if hasattr(cache, "in_bits") and cache.in_bits(layer_idx, S - L):  # the longest row's start
+        entry = to_bits(entry, cache)
+        new = [part for t in new for part in mx.quantize(t, group_size=cache.group_size,
+                                                         bits=cache.bits)]  # (packed, ...) each
+    arrays = [padded(a, 2, room) for a in kv_arrays(entry)]           # (B, 8, room, ..) each
     write_at = positions.reshape(B, 1, L, 1)                          # row b's L positions
-    keys = mx.put_along_axis(keys, write_at, k.swapaxes(1, 2), axis=2)  # (B, 8, room, 128)
-    values = mx.put_along_axis(values, write_at, v.swapaxes(1, 2), axis=2)  # (B, 8, room, 128)
-    cache[layer_idx] = (keys, values)
-    out = attend_batch(q, keys[:, :, :S], values[:, :, :S], visible)  # (B, L, H * hd)
+    cache[layer_idx] = kv_entry([mx.put_along_axis(a, write_at, part, axis=2)
+                                 for a, part in zip(arrays, new)])    # (B, 8, room, ..) each
+    keys, values = kv_entry([a[:, :, :S] for a in kv_arrays(cache[layer_idx])])
+    out = attend_batch(q, keys, values, visible)                      # (B, L, H * hd)
     return out.reshape(B * L, -1)                                     # (B * L, 2048)
 
 def attend_batch(q, k, v, visible):
     """Step 5's attend() on B rows: a batch axis in front of each argument and each line. It is
     mx.vmap(attend), written out: under vmap MLX does not fuse the compiled mask (2 kernels more
     a layer, every step), so the batch's own lines keep Step 5's launches."""
+    if isinstance(k, tuple):  # keys and values in bits: Part II
+        return attend_batch_bits(q, k, v, visible)
     B, L, H, hd = q.shape
     by_kv = q.transpose(0, 2, 1, 3).reshape(B, k.shape[1], -1, L, hd)  # (B, 8, 2, L, 128)
     scores = by_kv @ k[:, :, None].swapaxes(-1, -2)                   # (B, 8, 2, L, S)
@@ -1178,23 +1187,6 @@ def attend_bits(q, keys, values, visible):
     out = mx.quantized_matmul(probs, *(a[:, None] for a in values), transpose=False,
                               group_size=group, bits=bits)            # (8, 2, L, 128) probs v
     return out.reshape(H, L, hd).transpose(1, 0, 2).reshape(L, -1)    # (L, 2048)
-
-def attend_rows_bits(cache, layer_idx, q, k, v, positions, visible):
-    """attend_rows() into a cache in bits: a batch's keys and values quantised as they are written
-    at each row's positions (its entry converted first if it is not yet) -> (B * L, H * hd)."""
-    B, L, S = visible.shape
-    q, k, v = (t.reshape(B, L, *t.shape[1:]) for t in (q, k, v))     # (B, L, heads, hd)
-    room = -(-S // GROW) * GROW                                       # S up to a multiple of GROW
-    entry = cache[layer_idx] or (mx.zeros((B, k.shape[2], room, k.shape[3]), k.dtype),) * 2
-    arrays = [padded(a, 2, room) for a in kv_arrays(to_bits(entry, cache))]  # (B, 8, room, ..)
-    new = [part for t in (k, v) for part in mx.quantize(t.swapaxes(1, 2), group_size=cache
-                                                        .group_size, bits=cache.bits)]
-    write_at = positions.reshape(B, 1, L, 1)                          # row b's L positions
-    cache[layer_idx] = kv_entry([mx.put_along_axis(a, write_at, part, axis=2)
-                                 for a, part in zip(arrays, new)])    # (B, 8, room, ..) each
-    keys, values = (tuple(a[:, :, :S] for a in kind) for kind in cache[layer_idx])
-    out = attend_batch_bits(q, keys, values, visible)                 # (B, L, H * hd)
-    return out.reshape(B * L, -1)                                     # (B * L, 2048)
 
 def attend_batch_bits(q, keys, values, visible):
     """attend_bits() on B rows, as attend_batch() is attend() on them: q (B, L, H, hd), keys and
@@ -1728,7 +1720,7 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
     print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
     generated, t_first, sampler = [] if generated is None else generated, None, sampler_of(args)
     if args.draft:
-        drafter = MTPDrafter(start, chunk) if args.draft == "mtp" else PromptLookup(
+        drafter = MTPDrafter(start, chunk, cache) if args.draft == "mtp" else PromptLookup(
             args.num_draft_tokens)
         tokens = generate_draft(prompt_ids, args.max_tokens, sampler, drafter, cache, start,
                                 hidden, counts)

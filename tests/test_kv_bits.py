@@ -80,6 +80,20 @@ def test_drafting_and_a_chats_reuse_keep_the_cache_in_bits(checkpoint, tokenizer
         == again
 
 
+def test_the_mtp_heads_cache_is_in_bits_with_the_models(qwen35, tokenizer):
+    """Qwen3.5's MTP head drafting over a model's cache in bits: its own cache goes into the same
+    bits (its layer's entry packed), and the ids are generate()'s over a cache in bits."""
+    li.load_checked(qwen35(mtp="agree", layers_scale=2.0))
+    ids = tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,").ids
+    alone = list(li.generate(ids, 12, cache=li.KVCache([None] * li.N_LAYERS, 4, 32, 0)))
+    cache = li.KVCache([None] * li.N_LAYERS, 4, 32, 0)
+    drafter = li.MTPDrafter(like=cache)
+    assert list(li.generate_draft(ids, 12, drafter=drafter, cache=cache)) == alone
+    assert isinstance(drafter.cache[li.N_LAYERS], li.Quantized), type(drafter.cache[li.N_LAYERS])
+    assert isinstance(li.MTPDrafter().cache, list) and not isinstance(li.MTPDrafter().cache,
+                                                                          li.KVCache)
+
+
 def test_the_command_line_says_the_bits_and_the_true_size(checkpoint):
     """--kv-bits 8 --kv-group-size 32 --quantized-kv-start 0: the KV cache line names the bits and
     counts the packed numbers, scales and biases: per position, per layer, keys and values,
