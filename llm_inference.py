@@ -551,7 +551,8 @@ class MTPDrafter:
     positions 0..4 and the model chose x5; the first draft() reads (x1, h0) .. (x5, h4), chunk at
     a time, and guesses d6. If the model then keeps d6, it has made h5, h6; else h5 alone: the
     next draft() reads them with the ids after position 4. like: the model's cache; the head's
-    own is in bits when that is (a KVCache, Part II), with its bits and start."""
+    own is in bits when that is (a KVCache, Part II), with its bits, group size and
+    quantized_start."""
     def __init__(self, start=0, chunk=CHUNK, like=None):
         self.cache, self.start, self.chunk = [None] * (N_LAYERS + 1), start, chunk
         if isinstance(like, KVCache):
@@ -684,14 +685,14 @@ def attend_rows(cache, layer_idx, q, k, v, positions, visible):
     entry = cache[layer_idx] or (mx.zeros((B, k.shape[2], room, k.shape[3]), k.dtype),) * 2
     new = [k.swapaxes(1, 2), v.swapaxes(1, 2)]                        # (B, 8, L, 128) each
     if hasattr(cache, "in_bits") and cache.in_bits(layer_idx, S - L):  # the longest row's start
-        entry = to_bits(entry, cache)
+        entry = to_bits(entry, cache)                                 # (B, 8, S', ..) x 3, twice
         new = [part for t in new for part in mx.quantize(t, group_size=cache.group_size,
                                                          bits=cache.bits)]  # (packed, ...) each
     arrays = [padded(a, 2, room) for a in kv_arrays(entry)]           # (B, 8, room, ..) each
     write_at = positions.reshape(B, 1, L, 1)                          # row b's L positions
     cache[layer_idx] = kv_entry([mx.put_along_axis(a, write_at, part, axis=2)
                                  for a, part in zip(arrays, new)])    # (B, 8, room, ..) each
-    keys, values = kv_entry([a[:, :, :S] for a in kv_arrays(cache[layer_idx])])
+    keys, values = kv_entry([a[:, :, :S] for a in kv_arrays(cache[layer_idx])])  # (B, 8, S,..)
     out = attend_batch(q, keys, values, visible)                      # (B, L, H * hd)
     return out.reshape(B * L, -1)                                     # (B * L, 2048)
 
@@ -808,7 +809,8 @@ def generate_batch(prompts, max_tokens=100, sampler=sample, batch_size=8, ended=
             if token in EOS_IDS or row.pos + 1 >= row.end:  # it ends: its slot is free
                 slots[b] = None
                 if ended is not None:  # its positions before its last id; in bits?
-                    ended.append((row.i, row.pos, any(isinstance(e, Quantized) for e in cache)))
+                    ended.append((row.i, row.pos, any(isinstance(entry, Quantized)
+                                                      for entry in cache)))
             else:
                 row.token, row.finite = upcoming[b], finite[b]        # () each
                 row.pos += 1
@@ -959,7 +961,7 @@ STORED = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.u
 
 READS_AT_ONCE = 8  # a block's missing experts read 8 at a time: a disk (an SSD most) answers
 # several requests at once faster than one after another; os.preadv lets go of Python's lock
-READERS = ThreadPoolExecutor(READS_AT_ONCE)  # (its threads start at the first read)
+READERS = ThreadPoolExecutor(8)  # (its threads start at the first read; 8: READS_AT_ONCE's most)
 
 POOLS_COUNTED = ("found", "wanted", "bytes", "seconds", "disk")  # picks held, picks; bytes read,
 # the seconds reading and writing them in, the seconds a read was under way
@@ -984,8 +986,8 @@ class Pool:
         self.counts["wanted"] += len(needed)
         free = sorted(set(range(self.size)) - set(self.slot_of.values()))
         slots = [free.pop(0) if free else self.slot_of.pop(next(iter(self.slot_of)))
-                 for e in missing]
-        self.read(missing, slots)
+                 for _ in missing]
+        self.read(missing, slots)  # (if it fails, the slots are left free: none claims a read)
         self.slot_of.update(zip(missing, slots))
         table = [0] * len(next(iter(self.spans.values()))[2])
         for e, slot in self.slot_of.items():
@@ -995,49 +997,49 @@ class Pool:
     def read(self, missing, slots):
         """The missing experts' bytes from the files into their slots of each W[name]: READERS
         read up to READS_AT_ONCE experts ahead while this thread writes those read in (MLX gives
-        a slot's write the pool's buffer). Besides the pool, at most that many experts' bytes."""
-        tic, spans = time.perf_counter(), []  # spans: each read's (start, end), for disk time
-        reads = [self.ask(e, spans) for e in missing[:READS_AT_ONCE]]
+        a slot's write the pool's buffer). Besides the pool: at most that many experts' bytes,
+        and MLX's copy of the tensor going into its slot."""
+        tic, intervals, reads = time.perf_counter(), [], []  # intervals: each read's (start, end)
         try:
+            reads = [self.ask_for(e, intervals) for e in missing[:READS_AT_ONCE]]
             for n, slot in enumerate(slots):
                 for name, data in reads[n].result().items():
                     stored, shape, _ = self.spans[name]
-                    w = mx.array(memoryview(data)).view(STORED[stored]).reshape(shape)
+                    w = mx.array(memoryview(data)).view(STORED[stored]).reshape(shape)  # (2I, D)..
                     W[name][slot] = w.astype(W[name].dtype)           # an expert's, in its slot
                     mx.eval(W[name])
                     self.counts["bytes"] += len(data)
                 reads[n] = w = data = None  # (let go before the next expert's bytes come)
                 if n + READS_AT_ONCE < len(missing):
-                    reads.append(self.ask(missing[n + READS_AT_ONCE], spans))
-        finally:  # (a read failed, or Ctrl-C: the rest not started, the slots left free)
-            for pending in reads:
-                if pending is not None:
-                    pending.cancel()
-        self.counts["seconds"] += time.perf_counter() - tic
-        self.counts["disk"] += under_way(spans)
+                    reads.append(self.ask_for(missing[n + READS_AT_ONCE], intervals))
+        finally:  # (a read failed, or Ctrl-C: reads under way finish, their bytes unused)
+            self.counts["seconds"] += time.perf_counter() - tic
+            self.counts["disk"] += under_way(intervals)
 
-    def ask(self, e, spans):
+    def ask_for(self, e, intervals):
         """Expert e's reads, handed to READERS -> a Future of its bytes, {name: bytearray}, each
-        name's spans joined (gate_up: gate's rows, then up's); spans gets each read's (start,
-        end). The buffers are made here, in this thread: a reader's own would stay in its own
-        of the C library's memory pools (an arena a thread), and add to what the process holds."""
-        got = {name: bytearray(sum(size for _, _, size in places[e]))
-               for name, (_, _, places) in self.spans.items()}
-        return READERS.submit(self.fetch, e, got, spans)
+        name's ranges joined (gate_up: gate's rows, then up's). The buffers are made here, in
+        this thread: a reader's own would stay in that thread's memory pool (glibc's malloc keeps
+        an arena a thread), and add to what the process holds."""
+        buffers = {name: bytearray(sum(size for _, _, size in ranges[e]))
+                   for name, (_, _, ranges) in self.spans.items()}
+        return READERS.submit(self.fill, e, buffers, intervals)
 
-    def fetch(self, e, got, spans):  # (in a reader thread) ask()'s reads -> got, filled
-        for name, (_, _, places) in self.spans.items():
+    def fill(self, e, buffers, intervals):
+        """(In a reader thread) buffers <- expert e's bytes; intervals gets each read's (start,
+        end) -> buffers."""
+        for name, (_, _, ranges) in self.spans.items():
             at = 0
-            for file, offset, size in places[e]:
+            for file, offset, size in ranges[e]:
                 start = time.perf_counter()
-                read_span(memoryview(got[name])[at:at + size], file, offset, self.files[file])
-                spans.append((start, time.perf_counter()))
+                read_span(memoryview(buffers[name])[at:at + size], file, offset, self.files[file])
+                intervals.append((start, time.perf_counter()))
                 at += size
-        return got
+        return buffers
 
-def under_way(spans):  # [(start, end)] -> the seconds at least one of them was under way
+def under_way(intervals):  # [(start, end)] -> the seconds at least one of them was under way
     total, reach = 0.0, 0.0
-    for start, end in sorted(spans):
+    for start, end in sorted(intervals):
         total, reach = total + max(0.0, end - max(start, reach)), max(reach, end)
     return total
 
@@ -1141,7 +1143,9 @@ def cache_write_bits(cache, layer_idx, k, v, start):
     """cache_write() into bits: a 16-bit entry converted first (its buffers quantised whole), then
     k, v (L, KV, hd) quantised and written at start.. -> the keys and values so far, (packed,
     scales, biases) each, (KV, S, ...)."""
-    entry, end = cache[layer_idx], start + k.shape[0]
+    end = start + k.shape[0]
+    entry = cache[layer_idx] or (mx.zeros((k.shape[1], end, k.shape[2]), k.dtype),) * 2  # (a
+    # first write past 0: the MTP head's cache, a chat's next turn; positions before, unseen)
     entry = to_bits(entry, cache)  # (the keys and values so far, in the model's dtype: in bits)
     if entry.keys[0].shape[1] < end:  # full: up to end, rounded up to GROW
         entry = Quantized(*(tuple(padded(a, 1, -(-end // GROW) * GROW) for a in kind)
@@ -1848,9 +1852,10 @@ def print_pools(n, seconds):
     """Experts from disk, over the n tokens of an answer, from its first token on (seconds): the
     share of the picks (a block's experts a pass) the pools held, the bytes read a token and the
     disk's speed (bytes over the time a read was under way), the time a token those predict
-    (computing, the time outside the pools' reads, plus bytes over speed) beside the time it
-    took, and this process's most resident memory since it started (the operating system's
-    count: MLX's buffers, Python, the reads')."""
+    (computing, the time outside the pools, plus bytes over speed: the rule of thumb) beside
+    the time it took (the rest: the pools' time with no read under way), and this process's most
+    resident memory since it started (the operating system's count: MLX's buffers, Python, the
+    reads')."""
     total = {key: sum(pool.counts[key] for pool in POOLS.values()) for key in POOLS_COUNTED}
     found, each = total["found"] / max(total["wanted"], 1), 1e3 / max(n, 1)  # (ms a token)
     speed = total["bytes"] / total["disk"] if total["disk"] else 0.0  # the disk's, here
@@ -1858,9 +1863,9 @@ def print_pools(n, seconds):
     print(f"Experts from disk: {found:.1%} of the picks found in memory; "
           f"{total['bytes'] * each / 1e9:.2f} MB read a token at {speed / 1e9:.2f} GB/s; a token "
           f"took {seconds * each:.1f} ms, where {computing:.1f} computing + the MB ÷ the GB/s "
-          f"predict {computing + total['disk'] * each:.1f} (the rest: the reads' copies into the "
-          f"slots); the process: {resident_peak() / 1e9:.3f} GB resident at most (since it "
-          f"started)")
+          f"predict {computing + total['disk'] * each:.1f} (the rest: the pools' time with no read "
+          f"under way, writing into the slots); the process: {resident_peak() / 1e9:.3f} GB "
+          f"resident at most (since it started)")
 
 def resident_peak():  # this process's most resident memory so far, bytes
     import resource  # (Unix's; MLX runs on no other)
@@ -1927,10 +1932,11 @@ def reply_batch(texts, prompts, args):
     full = N_LAYERS - sum(deltanet(i) for i in range(N_LAYERS))  # its layers with keys and values
     kv_heads = N_KV // (GROUP.size() if GROUP else 1)  # (several processes: rank 0's)
     size = W["model.norm.weight"].dtype.size  # a number's bytes in the cache
-    in_bits = [positions for _, positions, bits in ended if bits]  # (a batch turns to bits when
-    packed = args.kv_bits / 8 + 2 * size / args.kv_group_size if in_bits else 0  # its longest
-    bits = f", {len(in_bits)} of them in {args.kv_bits} bits" if in_bits else ""  # row passes)
-    kv = (kv_positions * size + sum(in_bits) * (packed - size)) * full * 2 * kv_heads * D_HEAD
+    # A batch turns to bits when its longest row passes the start: those ended before, not.
+    packed = [positions for _, positions, in_bits in ended if in_bits]  # each one's positions
+    bits = args.kv_bits / 8 + 2 * size / args.kv_group_size if packed else 0  # a number's bytes
+    said = f", {len(packed)} of them in {args.kv_bits} bits" if packed else ""
+    kv = (kv_positions * size + sum(packed) * (bits - size)) * full * 2 * kv_heads * D_HEAD
     rows = min(args.batch_size, len(prompts))  # a token of each row shares one read of the weights
     print(f"{'=' * 10}\nPrompt: {sum(len(ids) for ids in prompts)} tokens, {len(prompts)} prompts, "
           f"--batch-size {args.batch_size}")
@@ -1938,7 +1944,7 @@ def reply_batch(texts, prompts, args):
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
     if POOLS:  # experts from disk: over the whole batch, its prefills too
         print_pools(n, seconds)
-    print(f"KV cache: {kv_positions} positions in {len(ended)} sequences{bits}, {kv / 1e6:.3f} MB "
+    print(f"KV cache: {kv_positions} positions in {len(ended)} sequences{said}, {kv / 1e6:.3f} MB "
           "(each as it ended; at most --batch-size of them held at once)")
     weight_bytes = token_bytes([], 0, rows=rows)[0]  # (a mixture's: at most: rows share experts)
     print(f"Bytes per token, a row of {rows}: {'at most ' if MOE else ''}"

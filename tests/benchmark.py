@@ -19,6 +19,7 @@
                                                      # (from position 0), and its memory
     python tests/benchmark.py --moe --stream --dtype float32 --quantize 4   # experts from disk:
                                                      # pools of 50%, 25%, 12.5% against resident
+    python tests/benchmark.py --moe --reads --layers 2   # its reads alone, 8 at once and 1
     python tests/benchmark.py --model Qwen3-0.6B --kv-quality   # the KV cache in bits: where the
                                                      # greedy answer parts from the plain cache's
     python tests/benchmark.py --ranks                # tensor parallel rows, one process; and two:
@@ -349,7 +350,8 @@ def stream_rows(folder, runs, shares=(1.0, 0.5, 0.25, 0.125), n_prompt=16, n_new
                         drop_page_cache()
                     _, decode = timed(li.generate(prompt, n_new + 1), n_prompt)
                     counts = [pool.counts for pool in li.POOLS.values()]
-                    found = sum(c["found"] for c in counts) / max(sum(c["wanted"] for c in counts), 1)
+                    wanted = max(sum(c["wanted"] for c in counts), 1)
+                    found = sum(c["found"] for c in counts) / wanted
                     read = sum(c["bytes"] for c in counts) / (n_new + 1)
                     if run:  # run 0 warms up
                         rows.setdefault((share, n, drop), []).append((decode, found, read))
@@ -376,14 +378,16 @@ def read_rows(folder, runs, share=0.5):
     streamed = [n for n in li.W if n.startswith("model.layers.") and ".mlp.experts." in n]
     total = sum(w.nbytes for w in {id(w): w for w in li.W.values()}.values())
     memory = total - sum(li.W[n].nbytes for n in streamed) * (1 - share) + 64
-    at_once, rows = li.READS_AT_ONCE, {}
+    at_once, rows, cold = li.READS_AT_ONCE, {}, drop_page_cache()
     try:
         for run in range(runs + 1):
             for n in (at_once, 1):
-                for drop in (True, False):
+                for drop in (True, False) if cold else (False,):
                     li.load_checked(folder, memory=memory)
                     li.READS_AT_ONCE, pool = n, next(iter(li.POOLS.values()))
-                    if not drop or not drop_page_cache():
+                    if drop:
+                        drop_page_cache()
+                    else:
                         for file in pool.files:  # warm: each file read whole once
                             Path(file).read_bytes()
                     tic = time.perf_counter()
@@ -413,7 +417,7 @@ def kv_quality_rows(n_prompt=4096, n_new=256):
     plain = list(li.generate(prompt, n_new))
     print(f"{mx.default_device()}, {li.N_LAYERS} layers, a prompt of {n_prompt} tokens, "
           f"{len(plain)} greedy tokens over the plain cache")
-    print(f"{'cache':<22}{'the first token that differs':>30}{'tokens the same':>18}")
+    print(f"{'cache':<22}{'the first token that differs':>30}{'tokens the same':>19}")
     for bits, group in ((8, 64), (8, 32), (4, 64), (4, 32)):
         cache = li.KVCache([None] * li.N_LAYERS, bits, group, 0)
         got = list(li.generate(prompt, n_new, cache=cache))
@@ -462,12 +466,15 @@ def main():
     ap.add_argument("--draft", choices=["mtp", "lookup"], help="the drafting rows only")
     ap.add_argument("--bandwidth", action="store_true", help="--explain's figure beside numpy's copy")
     ap.add_argument("--stream", action="store_true", help="experts from disk (with --moe)")
+    ap.add_argument("--reads", action="store_true", help="experts from disk: the reads alone")
     ap.add_argument("--kv-bits", type=int, choices=[4, 8], help="the KV cache in bits, from 0")
     ap.add_argument("--kv-quality", action="store_true",
                     help="with --model: where greedy answers over a cache in bits part")
     ap.add_argument("--ranks", action="store_true",
                     help="under mlx.launch -n N: ours against mlx-lm's sharded_load")
     args = ap.parse_args()
+    if args.kv_quality and args.model is None:
+        ap.error("--kv-quality needs --model: a trained model's folder")
     if args.bandwidth:
         return bandwidth_rows()
     if args.ranks:
@@ -513,6 +520,8 @@ def main():
         folder = quantized
     if args.stream:
         stream_rows(Path(folder), args.runs)
+        return read_rows(Path(folder), args.runs)
+    if args.reads:
         return read_rows(Path(folder), args.runs)
     if args.kv_quality:
         li.load_checked(folder)

@@ -82,16 +82,25 @@ def test_drafting_and_a_chats_reuse_keep_the_cache_in_bits(checkpoint, tokenizer
 
 def test_the_mtp_heads_cache_is_in_bits_with_the_models(qwen35, tokenizer):
     """Qwen3.5's MTP head drafting over a model's cache in bits: its own cache goes into the same
-    bits (its layer's entry packed), and the ids are generate()'s over a cache in bits."""
-    li.load_checked(qwen35(mtp="agree", layers_scale=2.0))
+    bits and groups (its layer's entry packed), and the ids are generate()'s over a cache in bits;
+    a chat's next turn (the head's cache begun past position 0) too, from the command line."""
+    folder = qwen35(mtp="agree", layers_scale=2.0)
+    li.load_checked(folder)
     ids = tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,").ids
     alone = list(li.generate(ids, 12, cache=li.KVCache([None] * li.N_LAYERS, 4, 32, 0)))
     cache = li.KVCache([None] * li.N_LAYERS, 4, 32, 0)
     drafter = li.MTPDrafter(like=cache)
     assert list(li.generate_draft(ids, 12, drafter=drafter, cache=cache)) == alone
-    assert isinstance(drafter.cache[li.N_LAYERS], li.Quantized), type(drafter.cache[li.N_LAYERS])
+    entry = drafter.cache[li.N_LAYERS]
+    assert isinstance(entry, li.Quantized) and li.kv_format(entry.keys, li.D_HEAD) == (4, 32)
     assert isinstance(li.MTPDrafter().cache, list) and not isinstance(li.MTPDrafter().cache,
                                                                           li.KVCache)
+    later = li.KVCache([None] * li.N_LAYERS, 8, 32, 6)
+    assert li.MTPDrafter(5, like=later).cache.quantized_start == 6
+    bits = ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0"]
+    chat = run_cli("--model", str(folder), "--chat", "--draft", "mtp", "-m", "4", *bits,
+                   stdin=b"1, 2, 3\n1, 2\n")
+    assert chat.returncode == 0 and chat.stdout.count("in 4 bits, groups of 32") == 2, chat.stderr
 
 
 def test_the_command_line_says_the_bits_and_the_true_size(checkpoint):
@@ -138,8 +147,9 @@ def test_a_batch_in_bits_is_each_row_alone_in_bits(checkpoint, qwen35, tokenizer
 
 def test_a_batch_that_turns_to_bits_counts_each_sequence_as_it_was_held(checkpoint):
     """One slot: a short prompt ends before the cache reaches --quantized-kv-start, the long one
-    after it turns to bits: the KV line counts the first's positions in the model's dtype, the
-    second's in bits, so its size lies between all of them in bits and none."""
+    after it turns to bits: generate_batch() says which ended in bits, and the KV line counts the
+    first's positions in the model's dtype, the second's in bits (packed numbers, a scale and a
+    bias a group of 32), to the printed decimals."""
     folder = str(checkpoint())
     r = run_cli("--model", folder, "-m", "24", "-p", "a b", "-p", TEXT, "--batch-size", "1",
                 "--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "40")
@@ -147,12 +157,17 @@ def test_a_batch_that_turns_to_bits_counts_each_sequence_as_it_was_held(checkpoi
     found = re.search(r"KV cache: (\d+) positions in 2 sequences, 1 of them in 4 bits, ([\d.]+) MB",
                       r.stdout)
     assert found, r.stdout
-    positions, mb = int(found[1]), float(found[2])
+    ended = []
     li.load_checked(folder)
+    prompts = [li.TOK.encode(text).ids for text in ("a b", TEXT)]
+    cache = li.KVCache([None] * li.N_LAYERS, 4, 32, 40)
+    list(li.generate_batch(prompts, 24, batch_size=1, ended=ended, cache=cache))
+    assert [(i, in_bits) for i, _, in_bits in ended] == [(0, False), (1, True)], ended
+    (_, plain, _), (_, packed, _) = ended
+    assert int(found[1]) == plain + packed, (found[1], ended)
     number, size = 2 * li.N_LAYERS * li.N_KV * li.D_HEAD, li.W["model.norm.weight"].dtype.size
-    in_bits = positions * number * (0.5 + 2 * size / 32) / 1e6  # a position's numbers, packed
-    plain = positions * number * size / 1e6  # (the model's dtype: what the cache holds)
-    assert in_bits + 0.002 < mb < plain - 0.002, (mb, in_bits, plain)  # (beyond 3 decimals)
+    mb = (plain * size + packed * (0.5 + 2 * size / 32)) * number / 1e6  # a position's numbers
+    assert abs(float(found[2]) - mb) <= 0.0005 + 1e-9, (found[2], mb)
 
 
 def test_explain_and_a_chat_run_over_a_cache_in_bits(checkpoint):
