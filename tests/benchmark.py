@@ -17,6 +17,8 @@
     python tests/benchmark.py --bandwidth            # --explain's memory figure beside numpy's copy
     python tests/benchmark.py --kv-bits 8 --contexts 4096,16384   # the KV cache in bits, both
                                                      # (from position 0), and its memory
+    python tests/benchmark.py --kv-bits 8 --contexts 16384 --random-context   # decoding alone:
+                                                     # 16k random keys, no prefill (hours here)
     python tests/benchmark.py --moe --stream --dtype float32 --quantize 4   # experts from disk:
                                                      # pools of 50%, 25%, 12.5% against resident
     python tests/benchmark.py --moe --reads --layers 2   # its reads alone, 8 at once and 1
@@ -32,7 +34,9 @@ to the first token; decode tokens/s = tokens after the first / the time they too
 Decode after a context of N tokens: each implementation prefills the N tokens once (untimed),
 then every run decodes from that cache: ours from a copy of the cache list (a KV buffer is
 written over after position N; a DeltaNet state, never changed in place, is the one after N);
-mlx-lm's after trimming each KV cache back to N and putting each DeltaNet state back.
+mlx-lm's after trimming each KV cache back to N and putting each DeltaNet state back. With
+--random-context the N positions are random keys and values written into each cache (a KV
+model's only), in bits as each implementation's prefill would leave them, and no peak is compared.
 
 Peak memory is each implementation's own at each context, prefill included: MLX's peak while it
 ran, minus the weights of the other implementation, which sit in memory too.
@@ -138,6 +142,16 @@ class Ours:
     def decode(self, cache, start, token, max_tokens):
         yield from li.generate([token], max_tokens=max_tokens, cache=copy.copy(cache), start=start)
 
+    def filled(self, n):  # --random-context: n positions of random keys and values, no prefill
+        cache, dtype = self.new_cache(), li.W["model.norm.weight"].dtype
+        for layer in range(li.N_LAYERS):
+            k, v = mx.random.normal((2, n, li.N_KV, li.D_HEAD), dtype=dtype)
+            li.cache_write(cache, layer, k, v, 0)  # (a first write: in the model's dtype)
+            if self.kv_bits:  # into bits now, as mlx-lm's converts at its first step
+                cache[layer] = li.to_bits(cache[layer], cache)
+        mx.eval(cache)
+        return cache
+
 
 class MlxLm:
     def __init__(self, model, kv_bits=None):
@@ -161,6 +175,14 @@ class MlxLm:
             else:
                 c.trim(c.offset - start)
         return self.generate_with(cache, [token], max_tokens)
+
+    def filled(self, n):  # --random-context: as Ours.filled()
+        cache, self.states = make_prompt_cache(self.model), {}
+        for c in cache:
+            c.update_and_fetch(*mx.random.normal((2, 1, li.N_KV, n, li.D_HEAD),
+                                                 dtype=li.W["model.norm.weight"].dtype))
+        mx.eval([c.state for c in cache])
+        return cache
 
     def generate_with(self, cache, ids, max_tokens):
         steps = generate_step(mx.array(ids), self.model, max_tokens=max_tokens, prompt_cache=cache,
@@ -470,11 +492,15 @@ def main():
     ap.add_argument("--stream", action="store_true", help="experts from disk (with --moe)")
     ap.add_argument("--reads", action="store_true", help="experts from disk: the reads alone")
     ap.add_argument("--kv-bits", type=int, choices=[4, 8], help="the KV cache in bits, from 0")
+    ap.add_argument("--random-context", action="store_true", help="decode after contexts of random "
+                    "keys and values, not prefilled (a 16k prefill in bits takes hours on a CPU)")
     ap.add_argument("--kv-quality", action="store_true",
                     help="with --model: where greedy answers over a cache in bits part")
     ap.add_argument("--ranks", action="store_true",
                     help="under mlx.launch -n N: ours against mlx-lm's sharded_load")
     args = ap.parse_args()
+    if args.random_context and args.qwen35:
+        ap.error("--random-context fills KV caches: not Qwen3.5's DeltaNet states")
     if args.kv_quality and args.model is None:
         ap.error("--kv-quality needs --model: a trained model's folder")
     if args.bandwidth:
@@ -570,7 +596,7 @@ def main():
         for name, (impl, other_weights) in impls.items():
             mx.clear_cache()
             mx.reset_peak_memory()
-            caches[name] = impl.prefill(prompt(n))
+            caches[name] = impl.filled(n) if args.random_context else impl.prefill(prompt(n))
             peaks[(n, name)] = mx.get_peak_memory() - other_weights
         if args.kv_bits:
             sizes[n] = li.cache_bytes(caches["ours"], n)
@@ -585,7 +611,7 @@ def main():
     for label, by_name in rows.items():
         a, b = (statistics.median(by_name[n]) for n in impls)
         print(f"{label:<24}{a:>10.2f}{b:>10.2f}{a / b:>7.2f}x")
-    for n in contexts:
+    for n in contexts if not args.random_context else []:  # (random: no prefill's peak to compare)
         a, b = (peaks[(n, name)] for name in impls)
         print(f"{f'peak memory GB, {n}':<24}{a / 1e9:>10.3f}{b / 1e9:>10.3f}{a / b:>7.2f}x")
     for n, held in sizes.items():  # the cache in bits (what quality costs: --kv-quality)
