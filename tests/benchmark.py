@@ -344,16 +344,20 @@ def drop_page_cache():
 
 def stream_rows(folder, runs, shares=(1.0, 0.5, 0.25, 0.125), n_prompt=16, n_new=32):
     """Experts from disk: decode tokens/s with every expert in memory, then with pools of a share
-    of each block's experts (--memory set to the rest of the model plus that share), their
-    missing experts read READS_AT_ONCE at a time and one at a time, interleaved, the page cache
-    warm and (where allowed) dropped before each run; each pool's hit rate and the MB it read a
-    token generated. The median of runs each."""
+    of each block's experts (--memory set to the rest of the model plus that share; all but one
+    expert added, the nearest to a pool of all, which --memory never makes), their missing
+    experts read READS_AT_ONCE at a time and one at a time, interleaved with mlx-lm on the same
+    folder, the page cache warm and (where allowed) dropped before each run; each pool's hit rate
+    and the MB it read a token generated. The median of runs each."""
+    model, _ = load_model(folder)
+    mx.eval(model.parameters())
     li.load_checked(folder)
     streamed = [n for n in li.W if n.startswith("model.layers.") and ".mlp.experts." in n]
     experts = sum(li.W[n].nbytes for n in streamed)
     total = sum(w.nbytes for w in {id(w): w for w in li.W.values()}.values())
     e, k = li.MOE["num_experts"], li.MOE["num_experts_per_tok"]
     prompt = [(7 * i + 3) % (li.TOK.get_vocab_size() - 10) for i in range(n_prompt)]
+    shares = sorted({*shares, 1 - 1 / e}, reverse=True)
     memory = {share: None if share == 1 else total - experts * (1 - share) + 64 for share in shares}
     at_once = li.READS_AT_ONCE
     ways = [(share, n) for share in shares for n in ((at_once,) if share == 1 else (at_once, 1))]
@@ -377,17 +381,23 @@ def stream_rows(folder, runs, shares=(1.0, 0.5, 0.25, 0.125), n_prompt=16, n_new
                     read = sum(c["bytes"] for c in counts) / (n_new + 1)
                     if run:  # run 0 warms up
                         rows.setdefault((share, n, drop), []).append((decode, found, read))
+            _, decode = timed(MlxLm(model).generate(prompt, n_new + 1), n_prompt)
+            if run:
+                rows.setdefault(("mlx-lm", 0, False), []).append((decode, 1.0, 0))
     finally:
         li.READS_AT_ONCE = at_once
-    print(f"{'pool':<22}{'at once':>8}{'tokens/s':>10}{'x resident':>12}{'held':>8}"
-          f"{'MB a token':>12}")
+    print(f"{'pool':<22}{'at once':>8}{'tokens/s':>10}{'x resident':>12}{'x mlx-lm':>10}"
+          f"{'held':>8}{'MB a token':>12}")
     resident = statistics.median(r[0] for r in rows[(1.0, at_once, False)])
+    theirs = statistics.median(r[0] for r in rows[("mlx-lm", 0, False)])
     for (share, n, drop), figures in rows.items():
         decode = statistics.median(f[0] for f in figures)
-        label = "resident" if share == 1 else f"{share:.1%} of experts"
-        held = statistics.median(f[1] for f in figures) if share < 1 else 1.0
-        print(f"{label + (', cold' if drop else ''):<22}{n if share < 1 else '':>8}{decode:>10.2f}"
-              f"{decode / resident:>11.2f}x{held:>8.1%}"
+        pooled = share not in ("mlx-lm", 1.0)
+        label = f"{share:.1%} of experts" if pooled else "resident" if share == 1 else share
+        held = statistics.median(f[1] for f in figures) if pooled else 1.0
+        print(f"{label + (', cold' if drop else ''):<22}"
+              f"{n if pooled else '':>8}{decode:>10.2f}{decode / resident:>11.2f}x"
+              f"{decode / theirs:>9.2f}x{held:>8.1%}"
               f"{statistics.median(f[2] for f in figures) / 1e6:>12.1f}")
 
 
