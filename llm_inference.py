@@ -3,7 +3,7 @@ Part I    the article's script: constants, load(), Steps 1-9 through generate(),
           article's run. Copied out alone (up to Part II's banner), it runs as the article's does.
 Part II   what the article leaves out, the model side: quantised weights, Qwen3.5's hybrid
           attention, multi-token prediction, batching, several machines, mixtures of experts,
-          long context by YaRN, experts read from disk when the model is larger than memory.
+          long context by YaRN, and what does not fit: experts from disk, the KV cache in bits.
 Part III  See inside: the views that teach (--explain), each callable from a notebook.
 Part IV   the program, read top-down from main(): the command line, an answer, a batch, chat,
           loading and its checks, the download, several processes."""
@@ -359,7 +359,7 @@ if __name__ == "__main__" and "__file__" in globals() and "\ndef main(" not in P
         __file__).read_text(encoding="utf-8"):
     article()
 
-# ═══ Part II — what the article leaves out, model side: quantised weights to experts on disk ═══
+# ═══ Part II — what the article leaves out, model side: quantised weights to a KV cache in bits ═══
 # ═══ Quantised weights — numbers in 2-6 or 8 bits, a scale and a bias for each group of them ═══
 def dequantize(packed, scales, biases, bits):
     """MLX's affine quantisation undone: a row of packed (uint32) is a little-endian stream of
