@@ -238,7 +238,7 @@ def peak_rss(*flags):
 
 
 def test_a_mixture_two_and_a_half_times_the_budget_stays_under_it(qwen3_moe, checkpoint, tokenizer):
-    """Weights of 107 MB (experts: 101 MB) under --memory 17 MB (2 of 16 experts a block): the
+    """Weights of 105 MB (experts: 101 MB) under --memory 17 MB (2 of 16 experts a block): the
     child's peak resident memory stays under the budget plus a margin, and its tokens are the
     resident run's. The margin: the peak of the same command on a dense model of 3 MB, measured
     the same way (Python, MLX, the tokenizer, the cache, the activations), the reads' buffers
