@@ -20,7 +20,7 @@
     python tests/benchmark.py --kv-bits 8 --contexts 16384 --random-context   # decoding alone:
                                                      # 16k random keys, no prefill (hours here)
     python tests/benchmark.py --moe --stream --dtype float32 --quantize 4   # experts from disk:
-                                                     # pools of 50%, 25%, 12.5% against resident
+                                                     # pools of 99%-12.5%: resident, mlx-lm
     python tests/benchmark.py --moe --reads --layers 2   # its reads alone, 8 at once and 1
     python tests/benchmark.py --model Qwen3-0.6B --kv-quality   # the KV cache in bits: where the
                                                      # greedy answer parts from the plain cache's
@@ -178,9 +178,9 @@ class MlxLm:
 
     def filled(self, n):  # --random-context: as Ours.filled()
         cache, self.states = make_prompt_cache(self.model), {}
+        dtype = li.W["model.norm.weight"].dtype
         for c in cache:
-            c.update_and_fetch(*mx.random.normal((2, 1, li.N_KV, n, li.D_HEAD),
-                                                 dtype=li.W["model.norm.weight"].dtype))
+            c.update_and_fetch(*mx.random.normal((2, 1, li.N_KV, n, li.D_HEAD), dtype=dtype))
         mx.eval([c.state for c in cache])
         return cache
 
@@ -365,7 +365,7 @@ def stream_rows(folder, runs, shares=(1.0, 0.5, 0.25, 0.125), n_prompt=16, n_new
     print(f"{mx.default_device()}, {li.N_LAYERS} layers of {e} experts ({k} a token), weights "
           f"{total / 1e9:.2f} GB, experts {experts / 1e9:.2f} GB; page cache dropped: "
           f"{'yes' if cold else 'not allowed here'}")
-    rows = {}
+    rows, theirs = {}, []  # theirs: mlx-lm's tokens/s, its experts all in memory
     try:
         for run in range(runs + 1):
             for share, n in ways:
@@ -383,21 +383,20 @@ def stream_rows(folder, runs, shares=(1.0, 0.5, 0.25, 0.125), n_prompt=16, n_new
                         rows.setdefault((share, n, drop), []).append((decode, found, read))
             _, decode = timed(MlxLm(model).generate(prompt, n_new + 1), n_prompt)
             if run:
-                rows.setdefault(("mlx-lm", 0, False), []).append((decode, 1.0, 0))
+                theirs.append(decode)
     finally:
         li.READS_AT_ONCE = at_once
     print(f"{'pool':<22}{'at once':>8}{'tokens/s':>10}{'x resident':>12}{'x mlx-lm':>10}"
           f"{'held':>8}{'MB a token':>12}")
     resident = statistics.median(r[0] for r in rows[(1.0, at_once, False)])
-    theirs = statistics.median(r[0] for r in rows[("mlx-lm", 0, False)])
+    mlx_lm_decode = statistics.median(theirs)
+    print(f"{'mlx-lm':<30}{mlx_lm_decode:>10.2f}{mlx_lm_decode / resident:>11.2f}x{1:>9.2f}x")
     for (share, n, drop), figures in rows.items():
         decode = statistics.median(f[0] for f in figures)
-        pooled = share not in ("mlx-lm", 1.0)
-        label = f"{share:.1%} of experts" if pooled else "resident" if share == 1 else share
-        held = statistics.median(f[1] for f in figures) if pooled else 1.0
-        print(f"{label + (', cold' if drop else ''):<22}"
-              f"{n if pooled else '':>8}{decode:>10.2f}{decode / resident:>11.2f}x"
-              f"{decode / theirs:>9.2f}x{held:>8.1%}"
+        label = "resident" if share == 1 else f"{share:.1%} of experts"
+        held = statistics.median(f[1] for f in figures) if share < 1 else 1.0
+        print(f"{label + (', cold' if drop else ''):<22}{n if share < 1 else '':>8}{decode:>10.2f}"
+              f"{decode / resident:>11.2f}x{decode / mlx_lm_decode:>9.2f}x{held:>8.1%}"
               f"{statistics.median(f[2] for f in figures) / 1e6:>12.1f}")
 
 
@@ -621,9 +620,10 @@ def main():
     for label, by_name in rows.items():
         a, b = (statistics.median(by_name[n]) for n in impls)
         print(f"{label:<24}{a:>10.2f}{b:>10.2f}{a / b:>7.2f}x")
-    for n in contexts if not args.random_context else []:  # (random: no prefill's peak to compare)
-        a, b = (peaks[(n, name)] for name in impls)
-        print(f"{f'peak memory GB, {n}':<24}{a / 1e9:>10.3f}{b / 1e9:>10.3f}{a / b:>7.2f}x")
+    if not args.random_context:  # (random: no prefill's peak to compare)
+        for n in contexts:
+            a, b = (peaks[(n, name)] for name in impls)
+            print(f"{f'peak memory GB, {n}':<24}{a / 1e9:>10.3f}{b / 1e9:>10.3f}{a / b:>7.2f}x")
     for n, held in sizes.items():  # the cache in bits (what quality costs: --kv-quality)
         plain = n * li.N_LAYERS * 2 * li.N_KV * li.D_HEAD * li.W["model.norm.weight"].dtype.size
         print(f"after {n} tokens, our cache in {args.kv_bits} bits: {held / 1e6:.1f} MB (in "
