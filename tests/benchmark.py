@@ -17,8 +17,9 @@
     python tests/benchmark.py --bandwidth            # --explain's memory figure beside numpy's copy
     python tests/benchmark.py --kv-bits 8 --contexts 4096,16384   # the KV cache in bits, both
                                                      # (from position 0), and its memory
-    python tests/benchmark.py --kv-bits 8 --contexts 16384 --random-context   # decoding alone:
-                                                     # 16k random keys, no prefill (hours here)
+    python tests/benchmark.py --kv-bits 8 --contexts 16384 --prefills '' --random-context
+                                                     # decoding alone over 16k random keys (a
+                                                     # 16k prefill in bits: over 40 min here)
     python tests/benchmark.py --moe --stream --dtype float32 --quantize 4   # experts from disk:
                                                      # pools of 99%-12.5%: resident, mlx-lm
     python tests/benchmark.py --moe --reads --layers 2   # its reads alone, 8 at once and 1
@@ -502,7 +503,7 @@ def main():
     ap.add_argument("--reads", action="store_true", help="experts from disk: the reads alone")
     ap.add_argument("--kv-bits", type=int, choices=[4, 8], help="the KV cache in bits, from 0")
     ap.add_argument("--random-context", action="store_true", help="decode after contexts of random "
-                    "keys and values, not prefilled (a 16k prefill in bits takes hours on a CPU)")
+                    "keys and values, not prefilled (a 16k prefill in bits: over 40 minutes on a CPU)")
     ap.add_argument("--kv-quality", action="store_true",
                     help="with --model: where greedy answers over a cache in bits part")
     ap.add_argument("--ranks", action="store_true",
