@@ -580,11 +580,10 @@ def verify_pass(ids, cache, pos, sampler):
 
 def generate_draft(prompt_ids, max_tokens=100, sampler=sample, drafter=None, cache=None, start=0,
                    hidden=None, counts=None):
-    """generate(), each step in three: draft (ids guessed ahead by drafter: an MTPDrafter(start),
-    or by default PromptLookup()), verify (one pass), accept (the drafts the model agrees with,
-    the DeltaNet rolled back to there). hidden: hidden_pass()'s, if it ran the prompt in; counts:
-    a dict, given "drafted", "accepted" and "passes" (the model's) anew. A continued cache (start
-    > 0): the drafter sees this call's ids only."""
+    """generate(), each step in three: draft (drafter's guesses: an MTPDrafter(start), by default
+    PromptLookup()), verify (one pass), accept (the drafts the model agrees with, the DeltaNet
+    rolled back to there). hidden: hidden_pass()'s, if it ran the prompt in; counts: a dict, given
+    "drafted", "accepted", "passes" (the model's) anew; the drafter sees this call's ids only."""
     cache = [None] * N_LAYERS if cache is None else cache
     drafter = PromptLookup() if drafter is None else drafter
     counts = {} if counts is None else counts
@@ -1711,14 +1710,7 @@ def reply(prompt_ids, args, cache, start=0, echo="", keep=None, generated=None, 
     counts, tic = {}, time.perf_counter()  # counts: what --draft drafted, accepted, passes
     logits, hidden = read_prompt(prompt_ids, args.draft, cache, start, keep, blocks, chunk)
     if args.explain or args.show_probs:  # their own time is kept off the prompt's clock
-        mx.eval(logits)
-        paused = time.perf_counter()
-        if args.explain:
-            explain(prompt_ids, blocks, logits, cache, start, args.show_probs or 5)
-        else:
-            print("\n".join(bar_line("", token, p)
-                            for token, p in top_tokens(logits, args.show_probs)))
-        tic += time.perf_counter() - paused
+        tic += views_before(prompt_ids, args, blocks, logits, cache, start)
     if not mx.isfinite(logits).all().item():  # NaN or inf: said before any text is printed
         raise not_finite("after the prompt", logits.dtype)
     print("" if args.quiet else "=" * 10 + "\n" + echo, end="", flush=True)
@@ -1778,6 +1770,16 @@ def read_prompt(prompt_ids, draft, cache, start, keep, blocks, chunk):
     more = hidden_pass(rest, cache, mark, blocks, chunk)              # (L, 1024) every token's
     hidden = more if hidden is None else mx.concatenate([hidden, more])
     return linear(hidden[-1:], "lm_head")[-1], hidden                 # (vocab,), (L, 1024)
+
+def views_before(prompt_ids, args, blocks, logits, cache, start):
+    """--explain's views of the prompt, or --show-probs's next tokens -> the seconds they took."""
+    mx.eval(logits)
+    paused = time.perf_counter()
+    if args.explain:
+        explain(prompt_ids, blocks, logits, cache, start, args.show_probs or 5)
+    else:
+        print("\n".join(bar_line("", token, p) for token, p in top_tokens(logits, args.show_probs)))
+    return time.perf_counter() - paused
 
 def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
     return partial(sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -2329,17 +2331,22 @@ def read_weights(folder, cfg, dtype, memory=None):
     # The MTP head's layer is also read as layer N (num_hidden_layers), after the model's own.
     for name in [name for name in weights if name.startswith("mtp.layers.0.")]:
         weights[f"model.layers.{cfg['num_hidden_layers']}.{name[13:]}"] = weights[name]
+    read_now(weights, source, cfg["tie_word_embeddings"], dtype)
+    return weights
+
+def read_now(weights, source, tied, dtype):
+    """Every weight read from disk now, so that generation times only generation, and checked
+    finite: a tensor with NaN or inf is refused, naming its file (source[name])."""
     # A sum is NaN or inf if any value is (packed words aside; a tied head is its table's).
     sums = {name: w.sum() for name, w in weights.items()
-            if w.dtype != mx.uint32 and not (cfg["tie_word_embeddings"] and "lm_head" in name)}
-    mx.eval(weights, sums)  # read every weight now, so that generation times only generation
+            if w.dtype != mx.uint32 and not (tied and "lm_head" in name)}
+    mx.eval(weights, sums)
     for name, total in sums.items():  # (a sum can overflow float16 alone: then check each value)
         if not mx.isfinite(total).item() and not mx.isfinite(weights[name]).all().item():
             why = "the file is damaged; download it again"
             if dtype is not None:  # a dtype given: taken to be the cast's doing
                 why = f"its values are too large for {str(dtype)[9:]} (float32 holds them)"
             raise UserError(f"tensor {name} in {source[name]} holds NaN or inf: {why}")
-    return weights
 
 def stack_experts(weights, cfg, folder, read=True):
     """Each mixture's experts, stacked in weights as Qwen3.5-MoE's release holds them:
