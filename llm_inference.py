@@ -1227,13 +1227,16 @@ def top_tokens(logits, n, which="the prompt"):
 def bar_line(label, token, p):  # a line of a probability table: 30 blocks for p = 1
     return f"{label:>10} {shown(token):>18} {p:<8.4g}{'█' * round(30 * p)}"
 
+def print_top(logits, n):  # the n likeliest next tokens, a probability bar each
+    print("\n".join(bar_line("", token, p) for token, p in top_tokens(logits, n)))
+
 def explain(prompt_ids, blocks, logits, cache, start, n):
     """--explain, before the answer: the tokens, the top n next tokens, then where the prompt's
     last token looks in each attention block (blocks: its x after each)."""
     print("tokens:", ", ".join(f"{shown(t)} {t}" for t in prompt_ids))
     print(f"embedding: {embed(prompt_ids).shape}")
     print(f"the next token: the model's top {n}")
-    print("\n".join(bar_line("", token, p) for token, p in top_tokens(logits, n)))
+    print_top(logits, n)
     heads = "heads" if GROUP is None else f"rank 0's {N_HEADS // GROUP.size()} heads of {N_HEADS}"
     print("where the last token looks: each attention block's 3 heaviest tokens of the prompt "
           f"(averaged over {heads})")
@@ -1778,7 +1781,7 @@ def views_before(prompt_ids, args, blocks, logits, cache, start):
     if args.explain:
         explain(prompt_ids, blocks, logits, cache, start, args.show_probs or 5)
     else:
-        print("\n".join(bar_line("", token, p) for token, p in top_tokens(logits, args.show_probs)))
+        print_top(logits, args.show_probs)
     return time.perf_counter() - paused
 
 def sampler_of(args):  # the sampling flags -> Step 8's sample() with them fixed
