@@ -129,11 +129,12 @@ def shown(r):  # for assertion messages; the launcher's status only for informat
     return f"\n[launcher exit {r.returncode}, {r.wall:.1f} s]\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
 
 
-# mlx.launch's own warning: a thread prints it through sys.stderr in pieces ("\x1b[33m[WARN]",
-# the message, "\x1b[0m") while the main thread copies the ranks' bytes into the same buffer,
-# so a rank's line can land inside it (seen in CI: "\x1b[33m[WARN]error: ...").
-LAUNCHER_WARNING = re.compile(r"\x1b\[33m\[WARN\]| ?Node with rank \d+ (?:exited with code -?\d+"
-                              r"|was killed)| ?\x1b\[0m\n?")
+# mlx.launch's own warning: a thread print()s it, whose pieces ("\x1b[33m[WARN]", " ", the
+# message, " ", "\x1b[0m", "\n") go out as separate writes when stderr is unbuffered
+# (PYTHONUNBUFFERED=1), while the main thread copies the ranks' bytes to the same stderr: a rank's
+# line can land between any two (seen in CI: "\x1b[33m[WARN]error: ...").
+LAUNCHER_WARNING = re.compile(r"\x1b\[33m\[WARN\] ?| ?Node with rank \d+ (?:exited with code "
+                              r"-?\d+|was killed) ?| ?\x1b\[0m\n?")
 
 
 def error_lines(stderr):
