@@ -2338,8 +2338,9 @@ def read_weights(folder, cfg, dtype, memory=None):
     return weights
 
 def read_now(weights, source, tied, dtype):
-    """Every weight read from disk now, so that generation times only generation, and checked
-    finite: a tensor with NaN or inf is refused, naming its file (source[name])."""
+    """The weights held in memory read from disk now, so that generation times only generation,
+    and checked finite: a tensor with NaN or inf is refused, naming its file (source[name]). A
+    pool's slots are empty here: an expert read when picked is checked only through the logits."""
     # A sum is NaN or inf if any value is (packed words aside; a tied head is its table's).
     sums = {name: w.sum() for name, w in weights.items()
             if w.dtype != mx.uint32 and not (tied and "lm_head" in name)}
